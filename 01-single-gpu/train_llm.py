@@ -75,7 +75,7 @@ def main():
         weight_decay=args.weight_decay,
         fused=device.type == "cuda",
     )
-    max_steps = args.max_steps if args.max_steps is not None else args.num_epochs * steps_per_epoch
+    max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps)
     )
@@ -201,9 +201,11 @@ def get_parser():
     parser.add_argument("--warmup-steps", type=int, default=20, help="steps of linear warm-up before cosine decay")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
-    parser.add_argument("--num-epochs", type=int, default=1, help="passes over the data set, unless --max-steps is set")
-    parser.add_argument("--max-steps", type=int, default=None,
-                        help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted one would)")
+    parser.add_argument("--max-steps", type=int, default=200,
+                        help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
+                             "one would)")
+    parser.add_argument("--num-epochs", type=int, default=None,
+                        help="train for this many passes over the data set instead of --max-steps")
     parser.add_argument("--exit-after-steps", type=int, default=None,
                         help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time limit")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -220,12 +222,11 @@ def get_parser():
 
 def parse_args():
     args = get_parser().parse_args()
-    for name in ["seq_length", "batch_size", "grad_accum", "num_epochs", "log_freq", "ckpt_freq"]:
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ["max_steps", "exit_after_steps"]:
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}; leave it out for no limit")
+    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
+                 "ckpt_freq"]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.warmup_steps < 0 or args.num_workers < 0:
         fail("--warmup-steps and --num-workers cannot be negative")
     return args
@@ -376,10 +377,10 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device):
     Resuming cuts it at the next unseen sample: nothing is re-read, and nothing is trained on twice.
     """
     generator = torch.Generator().manual_seed(args.seed + epoch)
-    order = torch.randperm(len(dataset), generator=generator)
+    sample_order = torch.randperm(len(dataset), generator=generator).tolist()
     samples_per_step = args.batch_size * args.grad_accum
     num_samples = len(dataset) // samples_per_step * samples_per_step
-    remaining = Subset(dataset, order[samples_seen_in_epoch:num_samples].tolist())
+    remaining = Subset(dataset, sample_order[samples_seen_in_epoch:num_samples])
     return DataLoader(
         remaining,
         batch_size=args.batch_size,
