@@ -135,9 +135,6 @@ def main():
 
             train_state["step"] += 1
             train_state["samples_seen_in_epoch"] += samples_per_step
-            if train_state["samples_seen_in_epoch"] == steps_per_epoch * samples_per_step:
-                train_state["epoch"] += 1
-                train_state["samples_seen_in_epoch"] = 0
             steps_this_run += 1
             tokens_since_log += samples_per_step * args.seq_length
             progress_bar.update()
@@ -168,6 +165,10 @@ def main():
                 save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config)
             if done:
                 break
+        if not done:
+            # NOTE: the data loader ran out: the epoch is over.
+            train_state["epoch"] += 1
+            train_state["samples_seen_in_epoch"] = 0
 
     progress_bar.close()
     metrics_file.close()

@@ -1,0 +1,55 @@
+#!/bin/bash
+# Launch train_llm.py with Open MPI's mpirun: one process per slot of the hosts file.
+# mpirun only starts the processes (over ssh on other hosts); the training itself still uses
+# torch.distributed. Each process finds its rank in OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK,
+# and the rendezvous in MASTER_ADDR/MASTER_PORT, which this script sets and forwards with -x.
+#
+# Usage (from anywhere; extra arguments go to train_llm.py):
+#   03-job-launchers/mpirun.sh -e my-run --max-steps 100
+#   HOSTFILE=my-hosts NP=16 03-job-launchers/mpirun.sh -e my-run
+#   MPIRUN_ARGS=--allow-run-as-root 03-job-launchers/mpirun.sh -e ci   # mpirun refuses root otherwise
+# Environment knobs:
+#   HOSTFILE     Open MPI hostfile ("host slots=N" lines; default: the hosts file next to this script)
+#   NP           number of processes (default: the sum of the slots in HOSTFILE)
+#   MASTER_ADDR  rendezvous host (default: first host of HOSTFILE), MASTER_PORT (default 29500)
+#   MPIRUN_ARGS  extra mpirun options, split on spaces (e.g. "--allow-run-as-root --oversubscribe
+#                --tag-output -x WANDB_API_KEY")
+#   PYTHON       interpreter (default: the python on your PATH, as an absolute path)
+#   TRAIN_ARGS   extra train_llm.py flags, split on spaces, placed before your own arguments
+# Other hosts need passwordless ssh from this one, Open MPI installed, and the same paths
+# (same checkout and virtual environment, e.g. on a shared file system).
+set -euo pipefail
+
+# Unlike in a Slurm batch script, $0 is the real file here: find the repo files next to it.
+HERE=$(cd "$(dirname "$0")" && pwd)
+HOSTFILE=${HOSTFILE:-$HERE/hosts}
+TRAIN_SCRIPT=${TRAIN_SCRIPT:-$HERE/train_llm.py}
+# Absolute paths: remote processes start in a directory of the same name, but with a bare PATH.
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
+[ -f "$HOSTFILE" ] || { echo "hosts file not found: $HOSTFILE" >&2; exit 1; }
+
+# Hostfile lines without comments and blank lines.
+hosts_lines() { sed -e 's/#.*//' "$HOSTFILE" | awk 'NF'; }
+# Default number of processes: the sum of slots= (a host without slots= counts once).
+if [ -z "${NP:-}" ]; then
+    NP=$(hosts_lines | awk '{n=1; for (i=2;i<=NF;i++) if ($i ~ /^slots=/) n=substr($i,7); s+=n} END {print s+0}')
+fi
+# Rank 0 is placed on the first host (mpirun fills hosts in order), so the store lives there.
+export MASTER_ADDR=${MASTER_ADDR:-$(hosts_lines | awk '{print $1; exit}')}
+export MASTER_PORT=${MASTER_PORT:-29500}
+# mpirun does not set this (torchrun does): one thread per process, so N processes don't fight
+# over the cores. Raise it when each process has several cores to itself.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# shellcheck disable=SC2086
+set -- ${TRAIN_ARGS:-} "$@"
+echo "mpirun: $NP processes from $HOSTFILE, master $MASTER_ADDR:$MASTER_PORT, args: $*" >&2
+
+# -x NAME           copy that environment variable to every process (local and remote)
+# --bind-to none    Open MPI pins each process to one core by default; a PyTorch process wants
+#                   its threads and data-loader workers spread over the cores it was given
+# shellcheck disable=SC2086
+exec mpirun -np "$NP" --hostfile "$HOSTFILE" \
+    --bind-to none \
+    -x MASTER_ADDR -x MASTER_PORT -x OMP_NUM_THREADS -x PATH \
+    ${MPIRUN_ARGS:-} \
+    "$PYTHON" "$TRAIN_SCRIPT" "$@"
