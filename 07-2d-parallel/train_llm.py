@@ -1,0 +1,909 @@
+"""Chapter 07: 2D parallelism: tensor parallel inside each node, FSDP across nodes, on a 2D device mesh.
+
+The ranks form a (dp, tp) grid. Each row of --tp ranks (one node's GPUs, joined by NVLink) splits every layer
+as in chapter 06; the rows shard the model between them as in chapter 04 and train on different batches.
+
+On a machine without a GPU, 4 processes as 2 x 2:
+
+    torchrun --standalone --nproc-per-node 4 07-2d-parallel/train_llm.py --tp 2
+
+On 4 nodes of 8 GPUs (see chapter 03's job.sbatch for the launch):
+
+    torchrun --nnodes 4 --nproc-per-node 8 ... 07-2d-parallel/train_llm.py --tp 8 -m meta-llama/Llama-3.1-70B -d tatsu-lab/alpaca -e llama-70b-2d
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import socket
+import sys
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import wandb
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOGGER = logging.getLogger("train_llm")
+
+
+# NOTE: @record writes this process's exception to the file torchrun names in TORCHELASTIC_ERROR_FILE, so the
+# job's error summary shows the failing rank's traceback instead of a bare "exit code 1".
+@record
+def main():
+    args = parse_args()
+    launcher, rank, local_rank, world_size = get_distributed_environment(args.rdzv_timeout)
+    setup_logging(rank)
+    LOGGER.info(f"arguments: {vars(args)}")
+    LOGGER.info(f"started by {launcher} on {socket.gethostname()}, "
+                f"rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(backend="gloo")
+    dtype = get_compute_dtype(args.dtype, device)
+    LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
+    experiment_dir = Path(args.save_dir) / args.experiment_name
+    experiment_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. The model: built from its config (untrained), every parameter initialized from the seed.
+    with rank_zero_first():
+        config = load_model_config(args.model_name)
+    check_sequence_length(args.seq_length, config)
+    check_attention_implementation(args.attn_implementation, device)
+    tp_degree = args.tp or get_default_tp_degree(device)
+    check_tensor_parallel_degree(tp_degree, config, args.seq_length)
+    mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
+    tp_mesh = mesh["tp"]
+    LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
+    # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"
+    # in a second on any machine. parallelize_model() then replaces every parameter by a DTensor holding this
+    # rank's slice, still on meta; to_empty() allocates only those slices on the device; init_weights() fills them.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
+    # NOTE: tensor parallelism first, on the "tp" dimension; then FSDP shards the resulting slices further along
+    # the data-parallel dimensions. The parameters end up as DTensors placed on both: (Shard(0), Shard(...)).
+    parallelize_model(model, tp_mesh)
+    shard_model(model, mesh[get_data_parallel_dims(mesh)], dtype)
+    model.to_empty(device=device)
+    init_weights(model, args.seed)
+    reset_rotary_embeddings(model, device)
+    num_params = sum(p.numel() for p in model.parameters())
+    LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers")
+
+    # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
+    with rank_zero_first():
+        tokenizer = load_tokenizer(args.model_name)
+        dataset = load_and_tokenize_dataset(args, tokenizer)
+    # NOTE: the ranks of one tensor-parallel group read the same batch; data parallelism runs across the groups.
+    # The data-parallel rank and size come from the mesh's dp dimensions only, never from the world.
+    dp_mesh = mesh[get_data_parallel_dims(mesh)]._flatten() if args.dp_replicate > 1 else mesh["dp"]
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    samples_per_step = args.batch_size * args.grad_accum * dp_size
+    steps_per_epoch = len(dataset) // samples_per_step
+    check_dataset_size(len(dataset), samples_per_step, args)
+    LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # 3. The optimizer and the learning rate schedule.
+    # NOTE: the parameters are this rank's slices, so AdamW keeps moments for the slices only: the optimizer
+    # state is split with no change to the optimizer.
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=args.weight_decay,
+        fused=device.type == "cuda",
+    )
+    max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps)
+    )
+
+    # 4. Resume: if the experiment directory holds a checkpoint, training continues from it.
+    train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
+    checkpoint_dir = find_latest_checkpoint(experiment_dir)
+    if checkpoint_dir is not None:
+        train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
+        LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
+
+    # 5. Experiment tracking: wandb (online if you are logged in, offline otherwise) and metrics.jsonl, on rank 0.
+    if rank == 0:
+        wandb.init(
+            project=args.wandb_project,
+            name=args.experiment_name,
+            id=get_wandb_run_id(experiment_dir),
+            resume="allow",
+            dir=experiment_dir,
+            mode=get_wandb_mode(args.wandb_mode),
+            config=vars(args),
+        )
+        metrics_file = open(experiment_dir / "metrics.jsonl", "a")
+    flops_per_token = get_flops_per_token(model, config, args.seq_length)
+    peak_flops = get_peak_flops(device, dtype)
+
+    # 6. The training loop.
+    model.train()
+    timer = StepTimer(device)
+    progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
+                        disable=rank != 0)
+    steps_this_run = 0
+    tokens_since_log = 0
+    time_of_last_log = time.perf_counter()
+    reset_peak_memory(device)
+    done = train_state["step"] >= max_steps
+    while not done:
+        dataloader = get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
+                                    dp_rank, dp_size)
+        micro_batches = iter(dataloader)
+        for _ in range(len(dataloader) // args.grad_accum):
+            timer.reset()
+            step_loss = torch.zeros((), device=device)
+            for _ in range(args.grad_accum):
+                with timer("data"):
+                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                # NOTE: loss_parallel() computes the cross-entropy from logits that stay split across ranks along
+                # the vocabulary: no rank ever holds the full batch x sequence x vocabulary logits. It must wrap the
+                # backward pass too. The loss is a replicated DTensor: full_tensor() reads it without communication.
+                # No autocast: FSDP's MixedPrecisionPolicy casts the all-gathered weights to bf16 instead.
+                with timer("forward"), loss_parallel():
+                    # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
+                    loss = model(input_ids=input_ids, labels=input_ids).loss / args.grad_accum
+                with timer("backward"), loss_parallel():
+                    loss.backward()
+                # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
+                # the GPU to finish every step; we read the value only on logging steps.
+                step_loss += loss.detach().full_tensor()
+            with timer("update"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                if steps_this_run == 0:
+                    log_memory_held(model, optimizer)
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            train_state["step"] += 1
+            train_state["samples_seen_in_epoch"] += samples_per_step
+            steps_this_run += 1
+            tokens_since_log += samples_per_step * args.seq_length
+            progress_bar.update()
+            step = train_state["step"]
+            done = step == max_steps or steps_this_run == args.exit_after_steps
+
+            if step % args.log_freq == 0 or done:
+                # NOTE: each rank's loss is the mean over its own share of the batch; their average is the loss of
+                # the global batch. (gloo has no ReduceOp.AVG, so sum and divide.)
+                dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+                step_loss /= world_size
+                seconds = time.perf_counter() - time_of_last_log
+                # NOTE: .item() and timer.read_ms() wait for the device: the only synchronization in a step.
+                tokens_per_second = tokens_since_log / seconds
+                record = {
+                    "step": step,
+                    "epoch": train_state["epoch"],
+                    "loss": step_loss.item(),
+                    "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_second": tokens_per_second,
+                    "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
+                    **get_memory_stats(device),
+                    **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
+                }
+                if rank == 0:
+                    log_metrics(record, metrics_file)
+                tokens_since_log = 0
+                time_of_last_log = time.perf_counter()
+                reset_peak_memory(device)
+
+            if step % args.ckpt_freq == 0 or done:
+                save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank)
+            if done:
+                break
+        if not done:
+            # NOTE: the data loader ran out: the epoch is over.
+            train_state["epoch"] += 1
+            train_state["samples_seen_in_epoch"] = 0
+
+    progress_bar.close()
+    if rank == 0:
+        metrics_file.close()
+        wandb.finish()
+    LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments and logging
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(
+        description="Train a Llama-style causal language model on one GPU, or on the CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
+                        help="Hugging Face hub name or local folder with config.json and the tokenizer")
+    parser.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
+                        help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, .parquet)")
+    parser.add_argument("--dataset-subset", default=None, help="the data set's configuration name, if it has several")
+    parser.add_argument("--text-column", default="text", help="the data set's column that holds the text")
+    parser.add_argument("-e", "--experiment-name", default="quickstart",
+                        help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
+    parser.add_argument("--save-dir", default="outputs", help="parent folder of all experiment folders")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the sample order")
+    parser.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="steps of linear warm-up before cosine decay")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel degree (default: the GPUs of one node; on the CPU, 1)")
+    parser.add_argument("--dp-replicate", type=int, default=1,
+                        help="hybrid sharding: replicate the model across this many groups of nodes and shard it "
+                             "within each group only")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
+    parser.add_argument("--max-steps", type=int, default=200,
+                        help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
+                             "one would)")
+    parser.add_argument("--num-epochs", type=int, default=None,
+                        help="train for this many passes over the data set instead of --max-steps")
+    parser.add_argument("--exit-after-steps", type=int, default=None,
+                        help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time limit")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="compute dtype; auto is bfloat16 on CUDA and float32 on CPU")
+    parser.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
+    parser.add_argument("--num-workers", type=int, default=1, help="data loader worker processes")
+    parser.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
+    parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
+                        help="default: online if you are logged in to wandb, offline otherwise")
+    parser.add_argument("--wandb-project", default="distributed-training-guide")
+    parser.add_argument("--rdzv-timeout", type=int, default=300,
+                        help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
+                             "by srun or mpirun, before giving up")
+    return parser
+
+
+def parse_args():
+    args = get_parser().parse_args()
+    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
+                 "ckpt_freq"]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.warmup_steps < 0 or args.num_workers < 0:
+        fail("--warmup-steps and --num-workers cannot be negative")
+    return args
+
+
+def fail(message):
+    """Stop with a one-line error on stderr and exit status 1: for mistakes in the input, not bugs."""
+    raise SystemExit(f"error: {message}")
+
+
+def get_distributed_environment(rdzv_timeout):
+    """Who started this process, and its rank, local rank and world size.
+
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every
+    process directly and set variables of their own, which are translated here; their job scripts export
+    MASTER_ADDR and MASTER_PORT. A plain `python train_llm.py` is a world of one process.
+    init_process_group() then reads the standard variables, whoever set them.
+    """
+    environment = os.environ
+    if "RANK" in environment and "WORLD_SIZE" in environment:
+        launcher = "torchrun"
+    elif "SLURM_PROCID" in environment:
+        launcher = "srun"
+        environment["RANK"] = environment["SLURM_PROCID"]
+        environment["LOCAL_RANK"] = environment["SLURM_LOCALID"]
+        environment["WORLD_SIZE"] = environment["SLURM_NTASKS"]
+    elif "OMPI_COMM_WORLD_RANK" in environment:
+        launcher = "mpirun"
+        environment["RANK"] = environment["OMPI_COMM_WORLD_RANK"]
+        environment["LOCAL_RANK"] = environment["OMPI_COMM_WORLD_LOCAL_RANK"]
+        environment["WORLD_SIZE"] = environment["OMPI_COMM_WORLD_SIZE"]
+    else:
+        launcher = "python (a single process)"
+        environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        environment.setdefault("MASTER_PORT", str(find_free_port()))
+    if "MASTER_ADDR" not in environment or "MASTER_PORT" not in environment:
+        fail(f"started by {launcher} without MASTER_ADDR and MASTER_PORT; export them in the job script, set to the "
+             "first node of the job and a free port (see job-srun.sbatch and mpirun.sh)")
+    rank = int(environment["RANK"])
+    if launcher in ("srun", "mpirun") and rank != 0:
+        wait_for_rendezvous(environment["MASTER_ADDR"], int(environment["MASTER_PORT"]), rdzv_timeout, rank)
+    return launcher, rank, int(environment["LOCAL_RANK"]), int(environment["WORLD_SIZE"])
+
+
+def wait_for_rendezvous(host, port, timeout, rank):
+    """Wait until rank 0's rendezvous server accepts connections, or fail with the address that did not answer.
+
+    NOTE: without this, a wrong MASTER_ADDR or a closed firewall port leaves every rank retrying silently until the
+    process group's timeout (30 minutes by default).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                fail(f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous endpoint {host}:{port} "
+                     f"after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT and the firewall, and that rank 0 "
+                     "started")
+            time.sleep(1)
+
+
+def find_free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup_logging(rank):
+    logging.basicConfig(
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        level=logging.INFO,
+        stream=sys.stdout,
+    )
+
+
+def get_compute_dtype(name, device):
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def rank_zero_first():
+    """Run the block on rank 0 first, then on the others.
+
+    NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
+    everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
+    """
+    if dist.get_rank() != 0:
+        dist.barrier()
+    yield
+    if dist.get_rank() == 0:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. The model
+
+
+def load_model_config(model_name):
+    try:
+        return AutoConfig.from_pretrained(model_name)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load a model config from {model_name!r} ({first_line}); "
+             "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
+
+
+def check_sequence_length(seq_length, config):
+    if seq_length > config.max_position_embeddings:
+        fail(f"--seq-length {seq_length} is longer than the model's maximum of {config.max_position_embeddings} "
+             "positions (max_position_embeddings); use a smaller --seq-length")
+
+
+def check_attention_implementation(attn_implementation, device):
+    if attn_implementation != "flash_attention_2":
+        return
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
+             "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
+
+
+def check_tensor_parallel_degree(tp_degree, config, seq_length):
+    """Each rank gets an equal slice of the heads, the MLP width and the sequence, so all must divide evenly."""
+    sizes = {
+        "attention heads (num_attention_heads)": config.num_attention_heads,
+        "key/value heads (num_key_value_heads)": config.num_key_value_heads,
+        "MLP width (intermediate_size)": config.intermediate_size,
+        "vocabulary (vocab_size)": config.vocab_size,
+        "sequence length (--seq-length)": seq_length,
+    }
+    for name, size in sizes.items():
+        if size % tp_degree != 0:
+            fail(f"the tensor-parallel degree {tp_degree} does not divide the {name}, {size}; use a degree that "
+                 f"divides {config.num_key_value_heads} key/value heads, {config.num_attention_heads} heads, "
+                 f"{config.intermediate_size} and the sequence length")
+
+
+def get_default_tp_degree(device):
+    """One node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node."""
+    return torch.cuda.device_count() if device.type == "cuda" else 1
+
+
+def get_device_mesh(device, world_size, tp_degree, dp_replicate):
+    """Lay the ranks out on a grid: consecutive ranks (one node's GPUs) form a tensor-parallel group.
+
+    NOTE: the last dimension varies fastest: with 2 nodes of 4 GPUs and --tp 4, ranks 0-3 (node 0) are one tp
+    group, ranks 4-7 another, and ranks 0 and 4 share a dp group. With --dp-replicate R the dp dimension is split
+    into (dp_replicate, dp_shard): FSDP shards within a group of nodes and replicates across groups (HSDP).
+    """
+    if tp_degree < 1 or world_size % tp_degree != 0:
+        fail(f"--tp {tp_degree} does not divide the world size {world_size}; use a divisor of {world_size}, "
+             "usually the number of GPUs per node")
+    dp_degree = world_size // tp_degree
+    if dp_replicate < 1 or dp_degree % dp_replicate != 0:
+        fail(f"--dp-replicate {dp_replicate} does not divide the data-parallel degree {dp_degree} "
+             f"(world size {world_size} / --tp {tp_degree}); use a divisor of {dp_degree}")
+    if dp_replicate == 1:
+        return init_device_mesh(device.type, (dp_degree, tp_degree), mesh_dim_names=("dp", "tp"))
+    return init_device_mesh(device.type, (dp_replicate, dp_degree // dp_replicate, tp_degree),
+                            mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+
+
+def get_data_parallel_dims(mesh):
+    return tuple(name for name in mesh.mesh_dim_names if name != "tp")
+
+
+def parallelize_model(model, tp_mesh):
+    """Split every layer of a Llama-family model across the ranks of tp_mesh.
+
+    Inside a decoder layer, activations are either sharded along the sequence (Shard(1): norms and residual
+    adds, which work token by token) or replicated (Replicate(): attention and MLP, which need the whole
+    sequence). Attention and MLP each go column-wise then row-wise, so each needs just two collectives: an
+    all-gather of the sequence on the way in, a reduce-scatter of the partial sums on the way out.
+    """
+    parallelize_module(model, tp_mesh, {
+        # NOTE: each rank holds a slice of the vocabulary's embedding rows; the partial lookups are summed across
+        # ranks into the full embeddings. They stay whole (Replicate) because Hugging Face's model computes the
+        # positions and the causal mask from their length; the first layer then keeps its rank's chunk of tokens.
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=True),
+        "model.norm": SequenceParallel(),
+        # NOTE: the output head is split along the vocabulary and its logits stay split (Shard(-1)): loss_parallel()
+        # in the training step computes the cross-entropy from the pieces.
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            # NOTE: column-wise q, k, v projections give each rank whole heads (num_heads / tp of them), so the
+            # attention itself runs on local heads with no communication at all.
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def shard_model(model, dp_mesh, dtype):
+    """Shard every decoder layer, then the rest (embeddings, final norm, output head) as one last group.
+
+    NOTE: each fully_shard() call makes one group whose parameters are all-gathered, and whose gradients are
+    reduce-scattered, in one collective. One group per decoder layer means only one or two layers are ever whole
+    in memory, and FSDP prefetches the next layer's all-gather while the current one computes.
+    On a 2D mesh these collectives run within dp groups only: between the nodes, never inside a tp group.
+    A 2D dp_mesh (dp_replicate, dp_shard) makes FSDP all-reduce across the replicas and shard within each.
+    """
+    # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
+    # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
+        # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
+        # again for its backward: memory of one layer instead of all, for one more all-gather. The last layer
+        # is the first to run backward, right after forward, so freeing it would only gather it again at once.
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=index < len(layers) - 1)
+    # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    """Initialize every parameter from a generator seeded with the seed and the parameter's name.
+
+    NOTE: each parameter's values depend only on (seed, name), not on the order in which parameters are created
+    or on the device. That is what lets every later chapter, however it splits the model across GPUs, start
+    from exactly the same weights as this one, and so reproduce this chapter's loss curve.
+    """
+    std = model.config.initializer_range
+    for name, param in model.named_parameters():
+        generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if name.endswith("norm.weight"):
+            full_value = torch.ones(param.shape, device=param.device)
+        else:
+            full_value = torch.empty(param.shape, device=param.device).normal_(mean=0.0, std=std, generator=generator)
+        # NOTE: param is this rank's slice (a DTensor). distribute_tensor() cuts the same slice out of the full
+        # value, so the split model holds exactly the weights the whole one of chapter 01 holds.
+        param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements))
+
+
+@torch.no_grad()
+def reset_rotary_embeddings(model, device):
+    """Recompute the rotary embeddings' inverse frequencies, which to_empty() left as uninitialized memory.
+
+    NOTE: inv_freq is a non-persistent buffer: not a parameter, so init_weights() skips it, and not in the state
+    dict, so loading a checkpoint does not restore it either. Forgetting this trains with garbage positions.
+    """
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            fresh_module = type(module)(module.config)
+            for name, buffer in fresh_module.named_buffers():
+                module.register_buffer(name, buffer.to(device), persistent=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. The data
+
+
+def load_tokenizer(model_name):
+    try:
+        return AutoTokenizer.from_pretrained(model_name)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load a tokenizer from {model_name!r} ({first_line}); the model folder must hold tokenizer files")
+
+
+def load_and_tokenize_dataset(args, tokenizer):
+    """Tokenize every document, join them with an end-of-text token, and cut the stream into seq_length chunks.
+
+    The result is saved on disk, keyed by everything it depends on, so the next run loads it in a second.
+    """
+    key = json.dumps([args.dataset_name, args.dataset_subset, args.text_column, tokenizer.name_or_path,
+                      len(tokenizer), args.seq_length])
+    cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "train_llm" / f"{zlib.crc32(key.encode()):08x}"
+    if not cache_dir.exists():
+        LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
+        raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
+        if args.text_column not in raw_dataset.column_names:
+            fail(f"the data set has no column {args.text_column!r} (it has {raw_dataset.column_names}); "
+                 "pass --text-column with the column that holds the text")
+        tokenized = raw_dataset.map(
+            lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
+            batched=True,
+            remove_columns=raw_dataset.column_names,
+            desc="tokenizing",
+        )
+        chunked = tokenized.map(
+            lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
+            batched=True,
+            batch_size=10_000,
+            desc="chunking",
+        )
+        if len(chunked) == 0:
+            fail(f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more data or a "
+                 "smaller --seq-length")
+        # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
+        temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
+        chunked.save_to_disk(temporary_dir)
+        os.replace(temporary_dir, cache_dir)
+    return datasets.load_from_disk(cache_dir).with_format("torch")
+
+
+def load_raw_dataset(dataset_name, dataset_subset):
+    path = Path(dataset_name)
+    try:
+        if path.is_file():
+            builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(dataset_name, dataset_subset, split="train")
+    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load the data set {dataset_name!r} ({first_line}); pass -d a local folder or file, "
+             "or a Hugging Face hub name like tatsu-lab/alpaca")
+
+
+def cut_into_chunks(token_lists, seq_length):
+    stream = [token for tokens in token_lists for token in tokens]
+    return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
+
+
+def check_dataset_size(num_sequences, samples_per_step, args):
+    if num_sequences < samples_per_step:
+        fail(f"the data set has {num_sequences} sequences of {args.seq_length} tokens, fewer than the "
+             f"{samples_per_step} one optimizer step needs; use more data or a smaller --batch-size, --grad-accum "
+             "or --seq-length")
+
+
+def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
+    """This rank's batches of one epoch in a seeded random order, starting after the samples already trained on.
+
+    NOTE: the epoch's order is the permutation chapter 01 drew from (seed, epoch). It is cut after the samples the
+    whole job has seen so far, and only then dealt out round-robin by DistributedSampler (rank r gets samples r,
+    r + world_size, ...). Cutting before dealing is what lets a checkpoint written by 2 ranks resume on 3: the
+    data position is a count of global samples, whatever the world size that saw them.
+    """
+    generator = torch.Generator().manual_seed(args.seed + epoch)
+    sample_order = torch.randperm(len(dataset), generator=generator).tolist()
+    remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
+    sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
+    samples_per_step = args.batch_size * args.grad_accum
+    num_steps = len(sampler) // samples_per_step
+    return DataLoader(
+        Subset(remaining, list(sampler)[:num_steps * samples_per_step]),
+        batch_size=args.batch_size,
+        collate_fn=stack_input_ids,
+        num_workers=args.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+
+
+def stack_input_ids(samples):
+    return torch.stack([sample["input_ids"] for sample in samples])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. The optimizer and the learning rate schedule
+
+
+def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
+    """Linear warm-up from 0 to 1, then cosine decay to min_factor at max_steps (factors of the peak --lr)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. Checkpoints
+
+
+def find_latest_checkpoint(experiment_dir):
+    # NOTE: a checkpoint folder gets its final name only once it is complete, so any "checkpoint-*" is whole.
+    checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):
+    """Save everything needed to continue exactly: weights, optimizer moments, schedule, RNG, data position.
+
+    NOTE: the files are written into a temporary folder that is renamed once complete. A crash during the save
+    leaves the previous checkpoint untouched; older checkpoints are deleted only after the new one exists.
+    No rank holds the whole model, so every rank writes its own shards, in parallel, with
+    torch.distributed.checkpoint (DCP); rank 0 adds the small files and renames the folder once all are done.
+    """
+    started = time.perf_counter()
+    temporary_dir = experiment_dir / f"tmp-checkpoint-{train_state['step']:08d}"
+    if rank == 0:
+        shutil.rmtree(temporary_dir, ignore_errors=True)
+    dist.barrier()
+    # NOTE: get_state_dict() names the shards by their parameter names (model.layers.0.mlp.up_proj.weight, ...),
+    # as in chapter 01, and the optimizer state by the same names instead of by position.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir)
+    if rank == 0:
+        write_checkpoint(experiment_dir, lr_scheduler, train_state, config)
+    dist.barrier()
+    LOGGER.info(f"checkpoint of step {train_state['step']} took {time.perf_counter() - started:.2f}s")
+
+
+def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
+    final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
+    temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
+    torch.save(
+        {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
+        temporary_dir / "train_state.pt",
+    )
+    (temporary_dir / "model_config.json").write_text(config.to_json_string())
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(temporary_dir, final_dir)
+    for old_dir in experiment_dir.glob("checkpoint-*"):
+        if old_dir != final_dir:
+            shutil.rmtree(old_dir)
+    LOGGER.info(f"saved {final_dir}")
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
+    check_checkpoint_matches_model(checkpoint_dir, config)
+    # NOTE: dcp.load() fills the given state dicts in place, each rank reading just the slices of its own shards,
+    # whatever the world size that saved them: resuming on more or fewer GPUs reshards on the fly.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
+    train_state = torch.load(checkpoint_dir / "train_state.pt", weights_only=True)
+    lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
+    set_rng_state(train_state.pop("rng"))
+    return train_state
+
+
+def check_checkpoint_matches_model(checkpoint_dir, config):
+    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
+    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads"]
+    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
+                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
+    if different:
+        fail(f"the checkpoint {checkpoint_dir} was saved from a different model ({', '.join(different)}); "
+             "use another --experiment-name or --save-dir, or the model it was trained with")
+
+
+def get_rng_state():
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(rng_state):
+    torch.set_rng_state(rng_state["cpu"])
+    if rng_state["cuda"]:
+        torch.cuda.set_rng_state_all(rng_state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 5. Experiment tracking
+
+
+def get_wandb_mode(requested_mode):
+    """Online if you are logged in to wandb, offline otherwise: never stop and ask for an API key."""
+    if requested_mode is not None:
+        return requested_mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+
+
+def get_wandb_run_id(experiment_dir):
+    """One wandb run per experiment: a resumed run keeps appending to the same run."""
+    id_file = experiment_dir / "wandb_run_id.txt"
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    return id_file.read_text().strip()
+
+
+def get_flops_per_token(model, config, seq_length):
+    """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus attention's score and value matmuls.
+
+    The formula is the one of the PaLM paper (appendix B) and torchtitan: 6 * N + 12 * L * H * Q * T, with N the
+    parameters outside the embedding table, L layers, H heads, Q the head dimension and T the sequence length.
+    """
+    num_params = sum(p.numel() for p in model.parameters())
+    num_embedding_params = model.get_input_embeddings().weight.numel()
+    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = config.hidden_size // num_heads
+    return 6 * (num_params - num_embedding_params) + 12 * num_layers * num_heads * head_dim * seq_length
+
+
+# Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "B200": 2250e12,
+}
+
+
+def get_peak_flops(device, dtype):
+    """Peak FLOP/s for the MFU denominator, or None where we do not know it (the CPU, an unlisted GPU, fp32)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    device_name = torch.cuda.get_device_name(device)
+    for gpu, flops in PEAK_BF16_FLOPS.items():
+        if gpu in device_name:
+            return flops
+    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
+    return None
+
+
+def get_memory_stats(device):
+    if device.type == "cuda":
+        return {
+            "memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+        }
+    # NOTE: on Linux ru_maxrss is in kilobytes (on macOS in bytes): the peak resident memory of this process.
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"memory_rss_gb": max_rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
+
+
+def log_memory_held(model, optimizer):
+    """Log the bytes of parameters, gradients and optimizer state this rank holds: its shards only."""
+    def local_bytes(tensor):
+        local_tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local_tensor.numel() * local_tensor.element_size()
+
+    parameters = sum(local_bytes(p) for p in model.parameters())
+    gradients = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    optimizer_state = sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
+                          if torch.is_tensor(value) and value.dim() > 0)
+    LOGGER.info(f"memory held by this rank: parameters {parameters / 1e6:.2f} MB, gradients {gradients / 1e6:.2f} MB, "
+                f"optimizer state {optimizer_state / 1e6:.2f} MB")
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def log_metrics(record, metrics_file):
+    mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
+    memory = " ".join(f"{key.removesuffix('_gb')} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
+    times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
+    LOGGER.info(
+        f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}"
+        f" | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory} | ms: {times}"
+    )
+    wandb.log(record, step=record["step"])
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+
+
+class StepTimer:
+    """Time the phases of a training step (data, forward, backward, update) without stalling the GPU.
+
+    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a forward pass on a GPU measures only how long
+    the CPU took to queue its kernels. CUDA events are recorded into the GPU's stream instead and read once, on
+    logging steps, after a single synchronization. On the CPU, work is synchronous and the wall clock is right.
+    """
+
+    def __init__(self, device):
+        self.use_cuda_events = device.type == "cuda"
+        self.spans = []
+
+    def reset(self):
+        self.spans = []
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        if self.use_cuda_events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self.spans.append((name, start, end))
+
+    def read_ms(self):
+        """Milliseconds per phase, summed over micro-batches. Waits for the GPU: call it on logging steps only."""
+        if self.use_cuda_events:
+            torch.cuda.synchronize()
+        totals = {}
+        for name, start, end in self.spans:
+            milliseconds = start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
+            totals[name] = totals.get(name, 0.0) + milliseconds
+        return totals
+
+
+if __name__ == "__main__":
+    main()
