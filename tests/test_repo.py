@@ -1,0 +1,53 @@
+"""Repository-wide checks: every script answers --help, and every command in a README points at files that exist
+and passes only flags its script accepts."""
+
+import re
+import sys
+
+import pytest
+
+from helpers import CHAPTERS, REPO, run, script
+
+EXISTING_CHAPTERS = [chapter for chapter in CHAPTERS if script(chapter).exists()]
+READMES = sorted(REPO.glob("*.md")) + sorted(REPO.glob("*/README.md"))
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:\d\d-[a-z0-9-]+|diagnosing-errors|tools|data|tests|\.ci)/[\w./-]*[\w])")
+SCRIPT_CALL = re.compile(r"(\d\d-[a-z0-9-]+)/train_llm\.py((?:\s+[^|;&#]+)?)")
+
+
+@pytest.mark.parametrize("chapter", EXISTING_CHAPTERS)
+def test_every_chapter_script_answers_help(env, tmp_path, chapter):
+    result = run([sys.executable, script(chapter), "--help"], env, tmp_path, timeout=120)
+    assert result.stdout.startswith("usage: ") and "--model-name" in result.stdout
+
+
+def shell_lines(readme):
+    """The commands in a README's fenced code blocks, with backslash-continued lines joined."""
+    lines, in_block = [], False
+    for line in readme.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            in_block = not in_block
+        elif in_block:
+            lines.append(line)
+    return re.sub(r"\\\n\s*", " ", "\n".join(lines)).splitlines()
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda path: str(path.relative_to(REPO)))
+def test_readme_commands_name_files_that_exist(readme):
+    missing = sorted({path for line in shell_lines(readme) for path in REPO_PATH.findall(line)
+                      if not (REPO / path).exists() and "outputs/" not in path and "logs/" not in path})
+    assert not missing, f"{readme.relative_to(REPO)} names files that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda path: str(path.relative_to(REPO)))
+def test_readme_commands_pass_only_flags_the_script_accepts(readme):
+    unknown = []
+    for line in shell_lines(readme):
+        for chapter_dir, arguments in SCRIPT_CALL.findall(line):
+            script_path = REPO / chapter_dir / "train_llm.py"
+            if not script_path.exists():
+                continue
+            source = script_path.read_text()
+            for flag in re.findall(r"(?<!\S)(--?[a-zA-Z][\w-]*)", arguments):
+                if f'"{flag}"' not in source:
+                    unknown.append(f"{chapter_dir}/train_llm.py {flag}")
+    assert not unknown, f"{readme.relative_to(REPO)} passes flags the scripts do not have: {sorted(set(unknown))}"
