@@ -205,13 +205,16 @@ def main():
                 # the global batch. (gloo has no ReduceOp.AVG, so sum and divide.)
                 dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
                 step_loss /= world_size
+                # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
+                # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
+                loss_value = step_loss.item()
                 seconds = time.perf_counter() - time_of_last_log
-                # NOTE: .item() and timer.read_ms() wait for the device: the only synchronization in a step.
+                time_of_last_log = time.perf_counter()
                 tokens_per_second = tokens_since_log / seconds
                 record = {
                     "step": step,
                     "epoch": train_state["epoch"],
-                    "loss": step_loss.item(),
+                    "loss": loss_value,
                     "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(),
                     "tokens_per_second": tokens_per_second,
@@ -222,7 +225,6 @@ def main():
                 if rank == 0:
                     log_metrics(record, metrics_file)
                 tokens_since_log = 0
-                time_of_last_log = time.perf_counter()
                 reset_peak_memory(device)
 
             if step % args.ckpt_freq == 0 or done:
