@@ -1,8 +1,9 @@
 import os
 import uuid
-from pathlib import Path
 
 import pytest
+
+from helpers import processes_with_marker
 
 
 @pytest.fixture(scope="session")
@@ -34,17 +35,3 @@ def env(session_dir):
     }
     yield environment
     assert not processes_with_marker(marker), "the test left processes running"
-
-
-def processes_with_marker(marker):
-    """Process ids whose environment carries this test's marker: whatever the test started and did not end."""
-    found = []
-    needle = f"TEST_PROCESS_MARKER={marker}".encode()
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and int(proc.name) != os.getpid():
-            try:
-                if needle in (proc / "environ").read_bytes():
-                    found.append(int(proc.name))
-            except OSError:
-                pass
-    return found
