@@ -82,9 +82,9 @@ def main():
         config = load_model_config(args.model_name)
     check_sequence_length(args.seq_length, config)
     check_attention_implementation(args.attn_implementation, device)
-    tp_degree = args.tp or get_default_tp_degree(device)
-    check_tensor_parallel_degree(tp_degree, config, args.seq_length)
+    tp_degree = args.tp if args.tp is not None else get_default_tp_degree(device)
     mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
+    check_tensor_parallel_degree(tp_degree, config, args.seq_length)
     tp_mesh = mesh["tp"]
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
     # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"

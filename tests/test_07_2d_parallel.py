@@ -1,0 +1,172 @@
+"""Chapter 07: tensor parallel inside, FSDP across, on one device mesh. CPU processes under torchrun (gloo) train
+exactly as chapter 01 does with the same global batch, whatever the layout of 2 or 4 ranks (dp x tp, and hybrid
+sharding); resume is exact, and a checkpoint resumes at another data-parallel size; a layout that does not fit the
+world gets a one-line error; tokens/s counts the data-parallel ranks only; the README's commands are layouts
+tested here, and it quotes the exact diff from chapter 06.
+
+`pytest -s` prints the figures: the largest loss and weight differences from chapter 01, and after a resume.
+Every run trains 6 steps of 4 sequences of 64 tokens: 4 processes on 2 cores take a few seconds per step.
+"""
+
+import re
+import shlex
+import shutil
+import subprocess
+
+import pytest
+
+from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_weights, max_difference, read_losses, read_metrics, script,
+                     train)
+
+README = REPO / CHAPTERS["07"] / "README.md"
+STEPS, HALF = 6, 3
+COMMON = ["--max-steps", str(STEPS), "--wandb-mode", "disabled"]
+GLOBAL_BATCH = 4
+SEQ_LENGTH = 64  # FAST_ARGS' --seq-length
+FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
+
+# The layout flags, as the README writes them, and the mesh they must give. Each case gets chapter 01's global batch
+# of 4 sequences: --batch-size is 4 / the data-parallel size (every dimension but tp).
+LAYOUTS = {
+    "dp2-tp2": (["--tp", "2"], {"dp": 2, "tp": 2}),
+    "dp1-tp2": (["--tp", "2"], {"dp": 1, "tp": 2}),
+    "dp2-tp1": (["--tp", "1"], {"dp": 2, "tp": 1}),
+    # Hybrid sharding with the CPU's default --tp 1: FSDP shards within ranks {0, 1} and within {2, 3}, and the
+    # two groups all-reduce their gradients.
+    "hsdp-replicate2-shard2": (["--dp-replicate", "2"], {"dp_replicate": 2, "dp_shard": 2, "tp": 1}),
+}
+
+
+def layout(case):
+    """(processes, data-parallel size, the run's flags) of a layout."""
+    flags, mesh = LAYOUTS[case]
+    nproc = dp_size = 1
+    for name, size in mesh.items():
+        nproc *= size
+        dp_size *= 1 if name == "tp" else size
+    return nproc, dp_size, [*flags, "--batch-size", str(GLOBAL_BATCH // dp_size)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Chapter 01's reference run, each layout's 6-step run, and the run a resume starts from, made once each."""
+    return SharedRuns(tmp_path_factory.mktemp("chapter07"))
+
+
+def reference_run(runs, env):
+    return runs.train("01", env, *COMMON, "--batch-size", str(GLOBAL_BATCH))
+
+
+def layout_run(runs, env, case):
+    nproc, _, flags = layout(case)
+    return runs.train("07", env, *COMMON, *flags, nproc=nproc)
+
+
+def interrupted_run(runs, env):
+    """dp 2 x tp 1, stopped after step 3 of 6: the experiment holds checkpoint-00000003 and the metrics of 1-3."""
+    _, _, flags = layout("dp2-tp1")
+    return runs.train("07", env, *COMMON, *flags, "--exit-after-steps", str(HALF), nproc=2)
+
+
+def largest_weight_difference(checkpoint_a, checkpoint_b, scratch_dir):
+    weights_a, weights_b = checkpoint_weights(checkpoint_a, scratch_dir), checkpoint_weights(checkpoint_b, scratch_dir)
+    assert weights_a.keys() == weights_b.keys(), sorted(weights_a.keys() ^ weights_b.keys())
+    return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_every_layout_matches_one_process_with_the_same_global_batch(env, runs, tmp_path, case):
+    _, reference = reference_run(runs, env)
+    result, experiment = layout_run(runs, env, case)
+    losses = read_losses(experiment)
+    assert len(losses) == STEPS
+    loss_difference = max_difference(read_losses(reference), losses)
+    weight_difference = largest_weight_difference(reference / FINAL_CHECKPOINT, experiment / FINAL_CHECKPOINT,
+                                                  tmp_path)
+    print(f"\nparity {case} vs chapter 01: largest loss difference {loss_difference:.1e}, "
+          f"largest weight difference {weight_difference:.1e} after {STEPS} steps")
+    assert f"device mesh: {LAYOUTS[case][1]}" in result.stdout
+    # fp32 on the CPU: only the order of the floating-point sums differs (slices, shards, all-reduces).
+    assert loss_difference <= 1e-5
+    # AdamW divides by the root of the squared gradients, so a weight whose gradient is ~0 (a rare token's
+    # embedding row) moves by ~lr whatever the sign of its rounding noise: weights agree less closely than losses.
+    assert weight_difference <= 2e-4
+
+
+@pytest.mark.parametrize("case", ["dp2-tp1", "dp1-tp2"])
+def test_resume_continues_the_loss_curve_at_the_same_or_another_layout(env, runs, tmp_path, case):
+    """Saved at dp 2 x tp 1 after step 3; resumed on the same layout (exact), or on dp 1 x tp 2 with the same global
+    batch: DCP cuts each weight and AdamW moment into the new layout's slices, and the data position is a count
+    of global samples, so steps 4-6 see the samples, and the weights, of the uninterrupted run."""
+    _, straight = layout_run(runs, env, "dp2-tp1")
+    _, interrupted = interrupted_run(runs, env)
+    assert [path.name for path in interrupted.glob("checkpoint-*")] == [f"checkpoint-{HALF:08d}"]
+    shutil.copytree(interrupted, tmp_path / "outputs" / "resumed")
+    nproc, _, flags = layout(case)
+    result, resumed = train("07", env, tmp_path, *COMMON, *flags, nproc=nproc, experiment="resumed")
+    assert f"checkpoint-{HALF:08d} at step {HALF}" in result.stdout
+    loss_difference = max_difference(read_losses(straight), read_losses(resumed))
+    weight_difference = largest_weight_difference(straight / FINAL_CHECKPOINT, resumed / FINAL_CHECKPOINT, tmp_path)
+    print(f"\nresume dp2-tp1 -> {case}: {STEPS} steps straight vs {HALF} + {STEPS - HALF}: largest loss difference "
+          f"{loss_difference:.1e}, largest weight difference {weight_difference:.1e}")
+    if case == "dp2-tp1":
+        assert loss_difference <= 1e-6
+        assert weight_difference == 0.0
+    else:
+        assert loss_difference <= 1e-5
+        assert weight_difference <= 2e-4
+
+
+BAD_LAYOUTS = {
+    "tp larger than the world": (["--tp", "4"], "error: --tp 4 does not divide the world size 2; use a divisor of 2"),
+    "dp-replicate not dividing dp": (["--tp", "1", "--dp-replicate", "3"],
+                                     "error: --dp-replicate 3 does not divide the data-parallel degree 2 "
+                                     "(world size 2 / --tp 1)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LAYOUTS)
+def test_a_layout_that_does_not_fit_the_world_gets_a_one_line_error(env, tmp_path, case):
+    flags, expected = BAD_LAYOUTS[case]
+    result, _ = train("07", env, tmp_path, *COMMON, *flags, nproc=2, check=False, timeout=180)
+    assert result.returncode == 1
+    # Each rank prints the one line and exits; torchrun then adds its own summary of the failed ranks.
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
+    assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
+
+
+@pytest.mark.parametrize("case", ["dp1-tp2", "dp2-tp2"])
+def test_tokens_per_second_counts_data_parallel_ranks_only(env, runs, case):
+    """The ranks of a tp group train on the same sequences: a step trains batch x seq x dp tokens, not x world.
+
+    tokens/s x the seconds of the step's timed phases gives the tokens the step counted, a little less (the time
+    outside the phases, e.g. the loss's all-reduce for logging, is in tokens/s's seconds too). Counting the tp
+    ranks as well would give twice as many.
+    """
+    nproc, dp_size, flags = layout(case)
+    _, experiment = layout_run(runs, env, case)
+    tokens_per_step = int(flags[flags.index("--batch-size") + 1]) * SEQ_LENGTH * dp_size
+    fractions = [record["tokens_per_second"] * sum(value for key, value in record.items() if key.startswith("time_"))
+                 / 1000 / tokens_per_step for record in read_metrics(experiment)]
+    print(f"\n{case} ({nproc} ranks, dp {dp_size}): tokens/s x timed seconds / {tokens_per_step} tokens per step = "
+          + ", ".join(f"{fraction:.2f}" for fraction in fractions))
+    assert 0.5 < max(fractions) <= 1.0 + 1e-9
+
+
+def test_readme_cpu_commands_are_layouts_tested_here():
+    """The README's torchrun commands for the CPU are layouts the parity test runs (with FAST_ARGS and the batch size
+    added, from a scratch folder), so they work as written."""
+    commands = [shlex.split(line.strip()) for line in README.read_text().splitlines()
+                if line.strip().startswith("torchrun --standalone ")]
+    tested = [["torchrun", "--standalone", "--nproc-per-node", str(layout(case)[0]), f"{CHAPTERS['07']}/train_llm.py",
+               *LAYOUTS[case][0]] for case in LAYOUTS]
+    assert commands, f"no 'torchrun --standalone ...' command in {README}"
+    assert all(command in tested for command in commands), commands
+    assert tested[0] in commands and tested[-1] in commands, "the README shows dp 2 x tp 2 and hybrid sharding"
+
+
+def test_the_readme_shows_the_exact_diff_from_chapter_06():
+    blocks = re.findall(r"^```diff\n(.*?)^```$", README.read_text(), re.MULTILINE | re.DOTALL)
+    diff = subprocess.run(["diff", script("06"), script("07")], capture_output=True, text=True).stdout
+    assert blocks == [diff]
