@@ -415,9 +415,10 @@ def check_attention_implementation(attn_implementation, device):
 def init_weights(model, seed):
     """Initialize every parameter from a generator seeded with the seed and the parameter's name.
 
-    NOTE: each parameter's values depend only on (seed, name), not on the order in which parameters are created
-    or on the device. That is what lets every later chapter, however it splits the model across GPUs, start
-    from exactly the same weights as this one, and so reproduce this chapter's loss curve.
+    NOTE: each parameter's values depend only on (seed, name, device type), not on the order in which parameters
+    are created or on how the model is split. That is what lets every later chapter, however it splits the model
+    across GPUs, start from exactly the same weights as this one, and so reproduce this chapter's loss curve.
+    (CPU and CUDA generators draw different numbers: compare GPU runs with GPU runs.)
     """
     std = model.config.initializer_range
     for name, param in model.named_parameters():
@@ -646,13 +647,16 @@ def get_flops_per_token(model, config, seq_length):
     """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus attention's score and value matmuls.
 
     The formula is the one of the PaLM paper (appendix B) and torchtitan: 6 * N + 12 * L * H * Q * T, with N the
-    parameters outside the embedding table, L layers, H heads, Q the head dimension and T the sequence length.
+    parameters that do matmuls, L layers, H heads, Q the head dimension and T the sequence length.
     """
     num_params = sum(p.numel() for p in model.parameters())
-    num_embedding_params = model.get_input_embeddings().weight.numel()
+    # NOTE: the input embedding is a table lookup, not a matmul: its weights do no FLOPs. Unless they are tied to
+    # the output head (Llama 3.2 1B and 3B), in which case they are counted once, for the head's matmul.
+    if not config.tie_word_embeddings:
+        num_params -= model.get_input_embeddings().weight.numel()
     num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
     head_dim = config.hidden_size // num_heads
-    return 6 * (num_params - num_embedding_params) + 12 * num_layers * num_heads * head_dim * seq_length
+    return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
 
 
 # Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
