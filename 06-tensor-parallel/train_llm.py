@@ -489,7 +489,8 @@ def init_weights(model, seed):
             full_value = torch.empty(param.shape, device=param.device).normal_(mean=0.0, std=std, generator=generator)
         # NOTE: param is this rank's slice (a DTensor). distribute_tensor() cuts the same slice out of the full
         # value, so the split model holds exactly the weights the whole one of chapter 01 holds.
-        param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements))
+        # Every rank drew the same full value, so src_data_rank=None cuts it locally instead of sending it.
+        param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
 @torch.no_grad()
