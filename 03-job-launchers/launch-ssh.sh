@@ -15,7 +15,8 @@
 #   NPROC_PER_NODE  processes per host (default: slots= of that line, else 1)
 #   RDZV_HOST       rendezvous address (default: first host), RDZV_PORT (default 29500)
 #   MAX_RESTARTS    torchrun restarts after a failure (default 3)
-#   SSH             ssh command (default "ssh"; e.g. "ssh -p 2222", or a test shim)
+#   SSH             ssh command (default "ssh"; e.g. "ssh -p 2222", or a test shim). A host named
+#                   localhost is started without ssh, so one machine needs no ssh server.
 #   TORCHRUN        torchrun to run remotely (default: the one on your PATH, as an absolute path)
 #   FORWARD_ENV     names of extra variables to copy to the hosts (ssh does not pass your environment)
 set -euo pipefail
@@ -24,6 +25,11 @@ set -euo pipefail
 HOSTS_FILE=$1; shift
 HERE=$(cd "$(dirname "$0")" && pwd)
 SSH=${SSH:-ssh}
+# Run a shell command on a host: over ssh, or right here for "localhost".
+on_host() {
+    # shellcheck disable=SC2086
+    if [ "$1" = localhost ]; then bash -c "$2"; else $SSH "$1" "$2"; fi
+}
 WORKDIR=$PWD
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-$HERE/train_llm.py}
 TORCHRUN=${TORCHRUN:-$(command -v torchrun)}
@@ -80,7 +86,6 @@ for i in "${!LINES[@]}"; do
         if tmux has-session -t =$session 2>/dev/null; then echo '$host: $session is already running' >&2; exit 1; fi &&
         tmux new-session -d -s $session $(printf %q "$inner")"
     echo "host $i ($host): tmux session $session, $nproc process(es), rendezvous $RDZV_HOST:$RDZV_PORT" >&2
-    # shellcheck disable=SC2086
-    $SSH "$host" "$remote"
+    on_host "$host" "$remote"
 done
 echo "started $NNODES host(s); logs in $LOG_DIR/train-$EXP-*.log; stop with: $HERE/stop-ssh.sh $HOSTS_FILE -e $EXP" >&2

@@ -4,12 +4,15 @@
 # torch.distributed. Each process finds its rank in OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK,
 # and the rendezvous in MASTER_ADDR/MASTER_PORT, which this script sets and forwards with -x.
 #
-# Usage (from anywhere; extra arguments go to train_llm.py):
-#   03-job-launchers/mpirun.sh -e my-run --max-steps 100
-#   HOSTFILE=my-hosts NP=16 03-job-launchers/mpirun.sh -e my-run
+# Usage (from anywhere): 03-job-launchers/mpirun.sh [HOSTS_FILE] [train_llm.py args...]
+#   03-job-launchers/mpirun.sh -e my-run --max-steps 100          # the hosts file next to this script
+#   03-job-launchers/mpirun.sh my-hosts -e my-run                 # as launch-ssh.sh takes it
+#   NP=16 03-job-launchers/mpirun.sh my-hosts -e my-run
 #   MPIRUN_ARGS=--allow-run-as-root 03-job-launchers/mpirun.sh -e ci   # mpirun refuses root otherwise
+# HOSTS_FILE is the first argument if that does not start with "-".
 # Environment knobs:
-#   HOSTFILE     Open MPI hostfile ("host slots=N" lines; default: the hosts file next to this script)
+#   HOSTFILE     Open MPI hostfile ("host slots=N" lines; default: the hosts file next to this script),
+#                used when no HOSTS_FILE argument is given
 #   NP           number of processes (default: the sum of the slots in HOSTFILE)
 #   MASTER_ADDR  rendezvous host (default: first host of HOSTFILE), MASTER_PORT (default 29500)
 #   MPIRUN_ARGS  extra mpirun options, split on spaces (e.g. "--allow-run-as-root --oversubscribe
@@ -23,6 +26,7 @@ set -euo pipefail
 # Unlike in a Slurm batch script, $0 is the real file here: find the repo files next to it.
 HERE=$(cd "$(dirname "$0")" && pwd)
 HOSTFILE=${HOSTFILE:-$HERE/hosts}
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then HOSTFILE=$1; shift; fi
 TRAIN_SCRIPT=${TRAIN_SCRIPT:-$HERE/train_llm.py}
 # Absolute paths: remote processes start in a directory of the same name, but with a bare PATH.
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}

@@ -5,12 +5,17 @@
 # Usage: 03-job-launchers/stop-ssh.sh HOSTS_FILE [-e EXPERIMENT]
 #   With -e (or the whole training command line, which contains it): host i's session
 #   train-<experiment>-<i> only. Without: every train-*-<i> session on host i.
-# Environment: SSH (default "ssh"), as for launch-ssh.sh.
+# Environment: SSH (default "ssh"), as for launch-ssh.sh; a host named localhost needs no ssh.
 set -euo pipefail
 
 [ $# -ge 1 ] || { echo "usage: $0 HOSTS_FILE [-e EXPERIMENT]" >&2; exit 2; }
 HOSTS_FILE=$1; shift
 SSH=${SSH:-ssh}
+# Run a shell command on a host: over ssh, or right here for "localhost" (as launch-ssh.sh does).
+on_host() {
+    # shellcheck disable=SC2086
+    if [ "$1" = localhost ]; then bash -c "$2"; else $SSH "$1" "$2"; fi
+}
 mapfile -t LINES < <(sed -e 's/#.*//' "$HOSTS_FILE" | awk 'NF')
 
 EXP=
@@ -32,6 +37,5 @@ for i in "${!LINES[@]}"; do
     # List this host's sessions, keep ours, kill each by exact name ("=name": no prefix matching).
     remote="tmux ls -F '#{session_name}' 2>/dev/null | $select |
         while read -r s; do tmux kill-session -t \"=\$s\" && echo \"$host: stopped \$s\"; done; true"
-    # shellcheck disable=SC2086
-    $SSH "$host" "$remote"
+    on_host "$host" "$remote"
 done

@@ -5,8 +5,8 @@ under any of them. The launch files of this folder start it on a cluster:
 
     sbatch --nodes 2 03-job-launchers/job.sbatch -e my-run          # Slurm, one torchrun per node
     sbatch --nodes 2 03-job-launchers/job-srun.sbatch -e my-run     # Slurm, one task per GPU, no torchrun
-    03-job-launchers/mpirun.sh hosts -e my-run                      # Open MPI
-    03-job-launchers/launch-ssh.sh hosts -e my-run                  # ssh + tmux on every host
+    03-job-launchers/mpirun.sh 03-job-launchers/hosts -e my-run     # Open MPI
+    03-job-launchers/launch-ssh.sh 03-job-launchers/hosts -e my-run # ssh + tmux on every host
 
 On one machine without a GPU:
 

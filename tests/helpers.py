@@ -33,21 +33,41 @@ def script(chapter):
 
 
 def run(command, env, cwd, timeout=300, check=True):
-    """Run a command in its own process session; kill the whole session when it ends or overruns."""
+    """Run a command in its own process session; stop everything it started when it ends or overruns."""
     process = subprocess.Popen([str(part) for part in command], cwd=cwd, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        kill_session(process.pid)
+        stop_everything(process, env)
         stdout, stderr = process.communicate()
         raise AssertionError(f"timed out after {timeout}s: {command}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-3000:]}")
     finally:
-        kill_session(process.pid)
+        stop_everything(process, env)
     result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise AssertionError(f"exit {result.returncode}: {command}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-5000:]}")
     return result
+
+
+def stop_everything(process, env):
+    """SIGTERM first (torchrun then stops its workers), then SIGKILL the session and every process with the marker.
+
+    NOTE: torchrun starts each worker in a session of its own, so killing torchrun's session alone would leave its
+    workers running; the test's marker variable, inherited by every descendant, finds them wherever they are.
+    """
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_session(process.pid)
+    for pid in processes_with_marker(env.get("TEST_PROCESS_MARKER")):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def kill_session(session_id):
@@ -55,6 +75,22 @@ def kill_session(session_id):
         os.killpg(session_id, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def processes_with_marker(marker):
+    """Process ids whose environment carries this marker: whatever a test started, and their descendants."""
+    if not marker:
+        return []
+    found = []
+    needle = f"TEST_PROCESS_MARKER={marker}".encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if needle in (proc / "environ").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
 
 
 def torchrun(nproc, *extra):
@@ -95,3 +131,138 @@ def error_line(result):
     """The one line a failed run printed last on stderr."""
     lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+class SharedRuns:
+    """Training runs that several tests of one module compare against: each runs once, when a test first asks for it.
+
+    Use it from a module-scoped fixture. A run is keyed by its chapter, process count and arguments, and runs with
+    the environment of the test that first asks for it, so its processes are over before that test ends.
+    """
+
+    def __init__(self, workdir):
+        self.workdir = Path(workdir)
+        self.results = {}
+
+    def train(self, chapter, env, *args, nproc=None):
+        """Like train(): returns (result, experiment directory), from the first call with the same arguments."""
+        key = (chapter, nproc, *map(str, args))
+        if key not in self.results:
+            experiment = f"{chapter}-run{len(self.results)}"
+            self.results[key] = train(chapter, env, self.workdir, *args, nproc=nproc, experiment=experiment)
+        return self.results[key]
+
+
+def largest_weight_difference(checkpoint_a, checkpoint_b):
+    """The largest absolute difference between the weights (model.pt) of two checkpoints of the same model."""
+    import torch
+
+    weights_a = torch.load(Path(checkpoint_a) / "model.pt", weights_only=True)
+    weights_b = torch.load(Path(checkpoint_b) / "model.pt", weights_only=True)
+    assert weights_a.keys() == weights_b.keys(), f"different tensors: {sorted(weights_a.keys() ^ weights_b.keys())}"
+    return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
+
+
+def checkpoint_seconds(result):
+    """The seconds each checkpoint took, from the lines 'checkpoint of step N took Xs' of rank 0 (or of one process)."""
+    import re
+
+    times = re.findall(r"^\S+ (?:\[rank 0\] )?INFO checkpoint of step \d+ took ([\d.]+)s$", result.stdout, re.MULTILINE)
+    return [float(seconds) for seconds in times]
+
+
+def run_together(commands, env, cwd, timeout=300):
+    """Start several commands at once (e.g. one torchrun agent per "node") and wait for all of them.
+
+    Each runs in a process session of its own, with its output in a temporary file (a pipe that nobody reads while
+    we wait on another process could fill up and block it). Everything they started is stopped (stop_everything)
+    when the commands end or the shared deadline passes. Returns one CompletedProcess per command, whatever their
+    exit status.
+    """
+    import tempfile
+    import time
+
+    deadline = time.monotonic() + timeout
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
+    processes = []
+    timed_out = False
+    try:
+        for command, (stdout, stderr) in zip(commands, files):
+            processes.append(subprocess.Popen([str(part) for part in command], cwd=cwd, env=env, stdout=stdout,
+                                              stderr=stderr, text=True, start_new_session=True))
+        for process in processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                break
+    finally:
+        for process in processes:
+            stop_everything(process, env)
+        for process in processes:
+            process.wait()
+    results = []
+    for command, process, (stdout, stderr) in zip(commands, processes, files):
+        stdout.seek(0)
+        stderr.seek(0)
+        results.append(subprocess.CompletedProcess(command, process.returncode, stdout.read(), stderr.read()))
+        stdout.close()
+        stderr.close()
+    if timed_out:
+        tails = "\n".join(f"--- {result.args}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}" for result in results)
+        raise AssertionError(f"timed out after {timeout}s\n{tails}")
+    return results
+
+
+def load_script(chapter):
+    """A chapter's train_llm.py imported as a module (its main() does not run), to test one of its functions."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"train_llm_{chapter}", script(chapter))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def memory_held(result):
+    """{rank: {"parameters": MB, "gradients": MB, "optimizer state": MB}} from each rank's line
+    'memory held by this rank: parameters X MB, gradients Y MB, optimizer state Z MB' (FSDP chapters)."""
+    import re
+
+    pattern = (r"\[rank (\d+)\] INFO memory held by this rank: "
+               r"parameters ([\d.]+) MB, gradients ([\d.]+) MB, optimizer state ([\d.]+) MB")
+    return {int(rank): {"parameters": float(params), "gradients": float(grads), "optimizer state": float(optim)}
+            for rank, params, grads, optim in re.findall(pattern, result.stdout)}
+
+
+def checkpoint_weights(checkpoint_dir, scratch_dir):
+    """A checkpoint's whole weights {name: tensor}: model.pt (chapters 01-03), or the shards every rank wrote with
+    torch.distributed.checkpoint (chapters 04-07) gathered by torch's own converter into a file in scratch_dir."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    checkpoint_dir = Path(checkpoint_dir)
+    if (checkpoint_dir / "model.pt").exists():
+        return torch.load(checkpoint_dir / "model.pt", weights_only=True)
+    gathered = Path(scratch_dir) / f"{checkpoint_dir.parent.name}-{checkpoint_dir.name}.pt"
+    dcp_to_torch_save(checkpoint_dir, gathered)
+    return torch.load(gathered, weights_only=True)["model"]
+
+
+def train_with_a_restart(chapter, env, workdir, *args, stop_after, nproc=None, experiment="resumed"):
+    """Train with --exit-after-steps STOP_AFTER, check that this left that step's checkpoint alone, then run the same
+    command again, which must resume from it. Returns the second run's (result, experiment directory)."""
+    _, experiment_dir = train(chapter, env, workdir, *args, "--exit-after-steps", stop_after, nproc=nproc,
+                              experiment=experiment)
+    checkpoints = [path.name for path in experiment_dir.glob("checkpoint-*")]
+    assert checkpoints == [f"checkpoint-{int(stop_after):08d}"], checkpoints
+    result, experiment_dir = train(chapter, env, workdir, *args, nproc=nproc, experiment=experiment)
+    assert f"resumed from {experiment_dir / checkpoints[0]}" in result.stdout, result.stdout[-3000:]
+    return result, experiment_dir
+
+
+def loss_and_weight_differences(experiment_a, experiment_b, checkpoint_name):
+    """How far two runs of the same steps are apart: the largest difference of their logged losses, and of the
+    weights in their checkpoint_name folders."""
+    return (max_difference(read_losses(experiment_a), read_losses(experiment_b)),
+            largest_weight_difference(Path(experiment_a) / checkpoint_name, Path(experiment_b) / checkpoint_name))

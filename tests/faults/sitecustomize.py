@@ -48,3 +48,22 @@ if os.environ.get("FAULT_KILL_AFTER_STEPS"):
                 os.kill(os.getpid(), signal.SIGKILL)
 
     register_optimizer_step_post_hook(die_after_steps)
+
+# FAULT_RAISE_AFTER_STEPS=2           raise a RuntimeError from this process's 2nd optimizer step, only on rank
+# FAULT_RANK=1                        FAULT_RANK (default 0): a bug in one rank of a distributed job. The message
+#                                     starts with "injected fault" and says the rank, the step and the Unix time.
+if os.environ.get("FAULT_RAISE_AFTER_STEPS"):
+    import time
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    raise_steps = [0]
+    raise_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+
+    def raise_after_steps(optimizer, args, kwargs):
+        raise_steps[0] += 1
+        if raise_steps[0] == int(os.environ["FAULT_RAISE_AFTER_STEPS"]) and raise_rank == os.environ.get("FAULT_RANK", "0"):
+            raise RuntimeError(f"injected fault on rank {raise_rank} after {raise_steps[0]} optimizer steps "
+                               f"at {time.time():.3f}")
+
+    register_optimizer_step_post_hook(raise_after_steps)
