@@ -11,7 +11,8 @@ from helpers import CHAPTERS, REPO, run, script
 EXISTING_CHAPTERS = [chapter for chapter in CHAPTERS if script(chapter).exists()]
 READMES = sorted(REPO.glob("*.md")) + sorted(REPO.glob("*/README.md"))
 REPO_PATH = re.compile(r"(?<![\w/.-])((?:\d\d-[a-z0-9-]+|diagnosing-errors|tools|data|tests|\.ci)/[\w./-]*[\w])")
-SCRIPT_CALL = re.compile(r"(\d\d-[a-z0-9-]+)/train_llm\.py((?:\s+[^|;&#]+)?)")
+# A script that is run, not named as a value (TRAIN_SCRIPT=07-2d-parallel/train_llm.py sbatch ...).
+SCRIPT_CALL = re.compile(r"(?<![=\w/.-])(\d\d-[a-z0-9-]+)/train_llm\.py((?:\s+[^|;&#]+)?)")
 
 
 @pytest.mark.parametrize("chapter", EXISTING_CHAPTERS)

@@ -1,0 +1,169 @@
+"""Chapter 06: tensor parallelism on 2 and 4 CPU processes (gloo) trains exactly as chapter 01 does on the same batch;
+each module of the chapter's plan computes what the whole model computes, and a wrong style is named at its module;
+resume is exact; a degree that does not divide the model gets a one-line error; the README's diff is the real one
+and its CPU command runs as written.
+
+`pytest -s` prints the figures: the largest loss and weight differences from chapter 01, and the module check's.
+"""
+
+import re
+import shlex
+import subprocess
+
+import pytest
+
+from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_weights, max_difference, read_losses, read_metrics, run,
+                     script, torchrun, train)
+
+README = REPO / CHAPTERS["06"] / "README.md"
+LAYER_CHECK = REPO / "tests" / "tp_layer_check.py"
+STEPS = 10
+FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Chapter 01's reference run and chapter 06's runs, shared by the tests of this file."""
+    return SharedRuns(tmp_path_factory.mktemp("runs"))
+
+
+def reference_run(runs, env):
+    return runs.train("01", env, "--max-steps", STEPS, "--batch-size", "4")
+
+
+def tensor_parallel_run(runs, env, degree):
+    # NOTE: every rank of a tensor-parallel job reads the same 4 sequences: the batch of chapter 01's run.
+    return runs.train("06", env, "--max-steps", STEPS, "--batch-size", "4", nproc=degree)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_tensor_parallel_matches_one_process_on_the_same_batch(env, runs, tmp_path, degree):
+    _, reference = reference_run(runs, env)
+    result, experiment = tensor_parallel_run(runs, env, degree)
+    loss_difference = max_difference(read_losses(reference), read_losses(experiment))
+    reference_weights = checkpoint_weights(reference / FINAL_CHECKPOINT, tmp_path)
+    weights = checkpoint_weights(experiment / FINAL_CHECKPOINT, tmp_path)
+    assert weights.keys() == reference_weights.keys()
+    differences = {name: (weights[name] - reference_weights[name]).abs() for name in weights}
+    largest = max(difference.max().item() for difference in differences.values())
+    # NOTE: AdamW's first steps move every weight by about lr whatever the size of its gradient, so a gradient
+    # near zero whose rounding differs can move a weight the other way: a few weights differ by up to ~lr/10.
+    # A slice that trained wrong would differ in a whole block of weights, not in a few.
+    far = sum((difference > 1e-5).sum().item() for difference in differences.values())
+    total = sum(difference.numel() for difference in differences.values())
+    print(f"\nparity TP {degree} vs chapter 01 (batch 4, {STEPS} steps, fp32): largest loss difference "
+          f"{loss_difference:.1e}; largest weight difference {largest:.1e}, {far} of {total} weights beyond 1e-5")
+    assert loss_difference <= 1e-5
+    assert far <= total * 1e-4
+    # Only rank 0 logs metrics, once per step; every rank logs its lines, and a checkpoint is one shard per rank.
+    assert [record["step"] for record in read_metrics(experiment)] == list(range(1, STEPS + 1))
+    assert all(f"[rank {rank}]" in result.stdout for rank in range(degree))
+    assert sorted(path.name for path in (experiment / FINAL_CHECKPOINT).glob("*.distcp")) == [
+        f"__{rank}_0.distcp" for rank in range(degree)]
+
+
+def module_check(env, cwd, broken=None):
+    check_env = env if broken is None else {**env, "TP_CHECK_BREAK": broken}
+    return run([*torchrun(2), LAYER_CHECK], check_env, cwd, check=broken is None)
+
+
+def test_every_module_of_the_plan_matches_the_whole_model(env, tmp_path):
+    result = module_check(env, tmp_path)
+    summaries = re.findall(r"^(?:decoder layer 0|whole model): worst .*$", result.stdout, re.MULTILINE)
+    print("\nmodule check, TP 2:\n  " + "\n  ".join(summaries))
+    assert len(summaries) == 2
+    assert "ok: every module output and gradient within 1e-05 (relative) on 2 ranks" in result.stdout
+    # Every projection and norm of layer 0 and every parameter of the model was compared.
+    for name in ["self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj", "post_attention_layernorm"]:
+        assert re.search(rf"^   model\.layers\.0\.{re.escape(name)} ", result.stdout, re.MULTILINE), name
+    assert re.search(r"^   lm_head\.weight .* param \(Shard\(dim=0\),\)", result.stdout, re.MULTILINE)
+
+
+# What the check reports when one projection of layer 0 has the wrong style. A column-wise o_proj fails at its own
+# matmul. A row-wise gate_proj computes the right values, but whole, where its sibling up_proj returns a slice:
+# the check names the module that fails on it (mlp) and what each submodule returned.
+BROKEN_PLANS = {
+    "o_proj-colwise": ["first mismatch at model.layers.0.self_attn.o_proj failed"],
+    "gate_proj-rowwise": ["first mismatch at model.layers.0.mlp failed",
+                          "model.layers.0.mlp.gate_proj local, whole", "model.layers.0.mlp.up_proj local, Shard(2)"],
+}
+
+
+@pytest.mark.parametrize("broken", BROKEN_PLANS)
+def test_a_wrong_style_is_named_at_its_module(env, tmp_path, broken):
+    result = module_check(env, tmp_path, broken)
+    assert result.returncode != 0
+    errors = worker_errors(result)
+    assert len(errors) == 1, result.stderr[-3000:]
+    print(f"\nmodule check with {broken}: {errors[0]}")
+    assert errors[0].startswith("error: decoder layer 0 does not match the whole model")
+    for expected in BROKEN_PLANS[broken]:
+        assert expected in errors[0]
+
+
+def worker_errors(result):
+    """The distinct one-line errors the workers printed (each rank prints the same one)."""
+    return sorted({line for line in result.stderr.splitlines() if line.startswith("error: ")})
+
+
+def test_resume_is_exact(env, runs, tmp_path):
+    _, straight = tensor_parallel_run(runs, env, 2)
+    args = ["--max-steps", STEPS, "--batch-size", "4"]
+    half = STEPS // 2
+    train("06", env, tmp_path, *args, "--exit-after-steps", half, nproc=2, experiment="resumed")
+    assert [path.name for path in (tmp_path / "outputs" / "resumed").glob("checkpoint-*")] == [
+        f"checkpoint-{half:08d}"]
+    result, resumed = train("06", env, tmp_path, *args, nproc=2, experiment="resumed")
+    assert "resumed from" in result.stdout
+    loss_difference = max_difference(read_losses(straight), read_losses(resumed))
+    weights_straight = checkpoint_weights(straight / FINAL_CHECKPOINT, tmp_path)
+    weights_resumed = checkpoint_weights(resumed / FINAL_CHECKPOINT, tmp_path)
+    weight_difference = max((weights_straight[name] - weights_resumed[name]).abs().max().item()
+                            for name in weights_straight)
+    print(f"\nresume TP 2: {STEPS} steps straight vs {half} + {half}: largest loss difference {loss_difference:.1e}, "
+          f"largest weight difference {weight_difference:.1e}")
+    assert loss_difference <= 1e-6
+    assert weight_difference <= 1e-6
+
+
+BAD_DEGREES = {
+    "3 ranks, 8 heads": (3, [], "the tensor-parallel degree 3 does not divide the attention heads "
+                                "(num_attention_heads), 8; use a degree that divides 4 key/value heads, 8 heads"),
+    "2 ranks, 63 tokens": (2, ["--seq-length", "63"], "the tensor-parallel degree 2 does not divide the sequence "
+                                                      "length (--seq-length), 63"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DEGREES)
+def test_a_degree_that_does_not_divide_the_model_gets_a_one_line_error(env, tmp_path, case):
+    nproc, args, expected = BAD_DEGREES[case]
+    result, _ = train("06", env, tmp_path, "--max-steps", "2", *args, nproc=nproc, check=False, timeout=180)
+    assert result.returncode == 1
+    errors = worker_errors(result)
+    assert len(errors) == 1 and expected in errors[0], result.stderr[-3000:]
+    # The workers stopped with the message alone: no traceback through the script.
+    assert f'File "{script("06")}"' not in result.stderr
+
+
+def readme_code_blocks():
+    return re.findall(r"^```[a-z]*\n(.*?)^```$", README.read_text(), re.MULTILINE | re.DOTALL)
+
+
+def test_the_readme_shows_the_exact_diff_from_chapter_04():
+    # The README quotes `diff` hunk by hunk, each in a block of its own that starts with the hunk's header (37a37).
+    hunks = [block for block in readme_code_blocks() if re.match(r"\d+(,\d+)?[acd]\d+(,\d+)?\n", block)]
+    diff = subprocess.run(["diff", script("04"), script("06")], capture_output=True, text=True).stdout
+    assert "".join(hunks) == diff
+
+
+def test_the_readme_cpu_commands_train(env, tmp_path):
+    commands = [shlex.split(line.strip()) for line in README.read_text().splitlines()
+                if line.strip().startswith("torchrun --standalone --nproc-per-node ")]
+    cpu_commands = [command for command in commands if command[-1] == f"{CHAPTERS['06']}/train_llm.py"]
+    assert [command[3] for command in cpu_commands] == ["2", "4"]
+    # The 2-process one as written, but from a scratch folder (so that outputs/ lands there) and shortened to
+    # 2 steps of 64 tokens; the 4-process one differs only in its count, which the parity test runs.
+    result = run([*cpu_commands[0][:-1], script("06"), "--max-steps", "2", "--seq-length", "64"], env, tmp_path)
+    experiment = tmp_path / "outputs" / "quickstart"
+    assert [record["step"] for record in read_metrics(experiment)] == [2]
+    assert "rank 1 of 2" in result.stdout and "done: step 2 of 2" in result.stdout
