@@ -615,7 +615,11 @@ def load_and_tokenize_dataset(args, tokenizer):
         # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
-        os.replace(temporary_dir, cache_dir)
+        try:
+            os.replace(temporary_dir, cache_dir)
+        except OSError:
+            # NOTE: another process finished the same cache first (e.g. on another node sharing this folder).
+            shutil.rmtree(temporary_dir)
     return datasets.load_from_disk(cache_dir).with_format("torch")
 
 

@@ -1,0 +1,137 @@
+"""Chapter 02: two CPU processes under torchrun (gloo) train exactly as chapter 01 does with the same global batch,
+with gradient accumulation and with ZeRO-1 too; resume is exact; a rank that fails stops the whole job; and the
+README's command runs as written.
+
+`pytest -s` prints the figures: the largest loss and weight differences from chapter 01, and what a checkpoint costs.
+"""
+
+import re
+import shlex
+import time
+
+import pytest
+import torch
+
+from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_seconds, largest_weight_difference, max_difference,
+                     read_losses, read_metrics, run, script, train, train_with_a_restart)
+
+FAULTS = REPO / "tests" / "faults"
+README = REPO / CHAPTERS["02"] / "README.md"
+STEPS = 10
+FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
+# The runs that compare numbers leave wandb out (it costs seconds a run); the README's run and the failing job keep it.
+NO_WANDB = ["--wandb-mode", "disabled"]
+# AdamW moves a weight by up to --lr (1e-3) a step whatever the size of its gradient, so where a gradient is close to
+# zero (the embedding rows of rare tokens) a rounding-sized difference in it can change the weight's update by a few
+# percent of the learning rate: weights agree to a tenth of one step's largest update, while losses agree to 1e-5.
+WEIGHT_TOLERANCE = 1e-4
+
+# Each case runs on 2 ranks with a global batch of 4 sequences per optimizer step, as chapter 01's reference run
+# (--batch-size 4) does: fp32 on the CPU, same seed, same samples in every step.
+PARITY_CASES = {
+    "ddp": ["--batch-size", "2"],
+    "ddp-grad-accum": ["--batch-size", "1", "--grad-accum", "2"],
+    "ddp-zero1": ["--batch-size", "2", "--zero1"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Chapter 01's reference run and chapter 02's parity runs, shared by the tests of this file."""
+    return SharedRuns(tmp_path_factory.mktemp("runs"))
+
+
+def reference_run(runs, env):
+    return runs.train("01", env, "--max-steps", STEPS, "--batch-size", "4", *NO_WANDB)
+
+
+def parity_run(runs, env, case):
+    return runs.train("02", env, "--max-steps", STEPS, *PARITY_CASES[case], *NO_WANDB, nproc=2)
+
+
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_two_ranks_match_one_process_with_the_same_global_batch(env, runs, case):
+    _, reference = reference_run(runs, env)
+    result, experiment = parity_run(runs, env, case)
+    losses = read_losses(experiment)
+    assert len(losses) == STEPS
+    loss_difference = max_difference(read_losses(reference), losses)
+    weight_difference = largest_weight_difference(reference / FINAL_CHECKPOINT, experiment / FINAL_CHECKPOINT)
+    print(f"\nparity {case} vs chapter 01: largest loss difference {loss_difference:.1e}, "
+          f"largest weight difference {weight_difference:.1e} after {STEPS} steps")
+    assert loss_difference <= 1e-5
+    assert weight_difference <= WEIGHT_TOLERANCE
+    # Only rank 0 logs metrics, once per step; every rank logs its own lines with its rank in them.
+    assert [record["step"] for record in read_metrics(experiment)] == list(range(1, STEPS + 1))
+    assert "[rank 0]" in result.stdout and "[rank 1]" in result.stdout
+
+
+@pytest.mark.parametrize("case", ["ddp", "ddp-zero1"])
+def test_resume_is_exact_at_world_size_2(env, runs, tmp_path, case):
+    _, straight = parity_run(runs, env, case)
+    half = STEPS // 2
+    _, resumed = train_with_a_restart("02", env, tmp_path, "--max-steps", STEPS, *PARITY_CASES[case], *NO_WANDB,
+                                      stop_after=half, nproc=2)
+    loss_difference = max_difference(read_losses(straight), read_losses(resumed))
+    weight_difference = largest_weight_difference(straight / FINAL_CHECKPOINT, resumed / FINAL_CHECKPOINT)
+    print(f"\nresume {case}: {STEPS} steps straight vs {half} + {half}: largest loss difference "
+          f"{loss_difference:.1e}, largest weight difference {weight_difference:.1e}")
+    assert loss_difference <= 1e-6
+    assert weight_difference == 0.0
+
+
+def test_a_zero1_checkpoint_holds_the_full_optimizer_state(env, runs):
+    plain_result, plain = parity_run(runs, env, "ddp")
+    zero1_result, zero1 = parity_run(runs, env, "ddp-zero1")
+    weights = list(torch.load(zero1 / FINAL_CHECKPOINT / "model.pt", weights_only=True).values())
+    plain_state = torch.load(plain / FINAL_CHECKPOINT / "optimizer.pt", weights_only=True)
+    zero1_state = torch.load(zero1 / FINAL_CHECKPOINT / "optimizer.pt", weights_only=True)
+    # One entry per parameter, in the model's order and with its shape: what a plain AdamW, at any world size, loads.
+    assert sorted(zero1_state["state"]) == list(range(len(weights)))
+    assert [len(group["params"]) for group in zero1_state["param_groups"]] == [len(weights)]
+    for index, weight in enumerate(weights):
+        for moment in ["exp_avg", "exp_avg_sq"]:
+            assert zero1_state["state"][index][moment].shape == weight.shape
+            assert torch.allclose(zero1_state["state"][index][moment], plain_state["state"][index][moment],
+                                  rtol=1e-4, atol=1e-9)
+    # What gathering the shards on rank 0 costs: the script times every checkpoint.
+    plain_seconds, zero1_seconds = checkpoint_seconds(plain_result), checkpoint_seconds(zero1_result)
+    assert len(plain_seconds) == len(zero1_seconds) == 1
+    print(f"\ncheckpoint of step {STEPS} (5.2M parameters, 2 ranks): {plain_seconds[0]:.2f}s plain, "
+          f"{zero1_seconds[0]:.2f}s with --zero1 (consolidate_state_dict on rank 0)")
+
+
+def test_one_failing_rank_ends_the_job_and_its_error_is_reported(env, tmp_path):
+    fault_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_RAISE_AFTER_STEPS": "2", "FAULT_RANK": "1"}
+    result, _ = train("02", fault_env, tmp_path, "--max-steps", "1000", "--batch-size", "2", nproc=2, check=False,
+                      timeout=180)
+    ended = time.time()
+    assert result.returncode != 0
+    # torchrun's summary names the first failure (from the error file @record wrote) under "Root Cause".
+    root_cause = result.stderr.partition("Root Cause (first observed failure):")[2].partition("=" * 20)[0]
+    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause), result.stderr[-3000:]
+    assert re.search(r"error_file: /\S+/error\.json", root_cause), result.stderr[-3000:]
+    message = re.search(r"RuntimeError: injected fault on rank 1 after 2 optimizer steps at ([\d.]+)", root_cause)
+    assert message, result.stderr[-3000:]
+    seconds_to_stop = ended - float(message.group(1))
+    print(f"\na rank raised an error: torchrun exited {result.returncode}, {seconds_to_stop:.1f}s after the error")
+    assert seconds_to_stop < 60
+
+
+def readme_cpu_command():
+    """The README's command for two CPU processes, as a list of words."""
+    commands = [line.strip() for line in README.read_text().splitlines()
+                if line.strip().startswith("torchrun --standalone --nproc-per-node 2 ")]
+    assert commands, f"no 'torchrun --standalone --nproc-per-node 2 ...' command in {README}"
+    return shlex.split(commands[0])
+
+
+def test_readme_cpu_command_trains(env, tmp_path):
+    command = readme_cpu_command()
+    assert command == ["torchrun", "--standalone", "--nproc-per-node", "2", f"{CHAPTERS['02']}/train_llm.py"]
+    # As written, but from a scratch folder (so that outputs/ lands there) and shortened to 2 steps of 64 tokens.
+    result = run([*command[:-1], script("02"), "--max-steps", "2", "--seq-length", "64"], env, tmp_path)
+    experiment = tmp_path / "outputs" / "quickstart"
+    assert [record["step"] for record in read_metrics(experiment)] == [2]
+    assert (experiment / "checkpoint-00000002" / "model.pt").exists()
+    assert "rank 1 of 2" in result.stdout and "done: step 2 of 2" in result.stdout
