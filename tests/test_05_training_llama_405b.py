@@ -1,0 +1,325 @@
+"""Chapter 05: a model trained by chapter 04 and converted to a Hugging Face folder loads into the shards exactly
+(each rank holds its own slices of the safetensors files, and the first loss is the one transformers computes);
+activation checkpointing and torch.compile change the memory and the speed but not the losses; resume is exact and
+takes precedence over the pretrained weights; CUDA-only features fail clearly on the CPU; the launch and download
+scripts pass what a 405B run needs.
+
+The pretrained model, and the eager run the other features are compared with, are made once per module
+(SharedRuns). `pytest -s` prints the figures.
+"""
+
+import json
+import os
+import re
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, SharedRuns, error_line, load_script, max_difference,
+                     read_losses, run, script, torchrun, train)
+
+CHAPTER = REPO / CHAPTERS["05"]
+CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
+STEPS = ["--max-steps", "6", "--wandb-mode", "disabled"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return SharedRuns(tmp_path_factory.mktemp("chapter05"))
+
+
+def pretrained_model(runs, env):
+    """The "pretrained" model: the tiny model trained 40 steps by chapter 04 on 2 ranks, converted by its
+    convert_to_hf.py into a Hugging Face folder (config, tokenizer, model.safetensors)."""
+    _, experiment = runs.train("04", env, "--max-steps", "40", "--lr", "3e-3", "--wandb-mode", "disabled", nproc=2)
+    model_dir = experiment / "hf-checkpoint-00000040"
+    if not model_dir.exists():
+        run([sys.executable, CONVERT, experiment], env, runs.workdir)
+    return model_dir
+
+
+def finetune(runs, env, *args):
+    """Chapter 05 on 2 ranks, starting from the pretrained model."""
+    return runs.train("05", env, "-m", pretrained_model(runs, env), *STEPS, *args, nproc=2)
+
+
+# The start of the programs below: the chapter's script (the first argument) imported as the module `chapter`.
+PREAMBLE = """
+import importlib.util, json, sys
+import torch
+
+spec = importlib.util.spec_from_file_location("chapter", sys.argv[1])
+chapter = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chapter)
+"""
+
+
+def run_program(program, env, cwd, *args, nproc=None):
+    """Run one of the programs below, in a file of its own, as one process or under torchrun."""
+    path = cwd / "program.py"
+    path.write_text(program)
+    launcher = [sys.executable] if nproc is None else torchrun(nproc)
+    return run([*launcher, path, *args], env, cwd)
+
+
+def last_json_line(result):
+    return json.loads([line for line in result.stdout.splitlines() if line.startswith(("{", "["))][-1])
+
+
+# What plain transformers computes on the batch of chapter 05's first step: the folder loaded by from_pretrained(),
+# and a randomly initialized model of the same config. The batch is the one each of the 2 ranks draws at step 1
+# (chapter 05's own data pipeline, unchanged from chapter 04); with equal token counts the mean over both is the
+# loss chapter 05 logs, the average of the two ranks' losses.
+TRANSFORMERS_LOSS = PREAMBLE + """
+from transformers import AutoModelForCausalLM
+
+args = chapter.get_parser().parse_args(sys.argv[2:])
+dataset = chapter.load_and_tokenize_dataset(args, chapter.load_tokenizer(args.model_name))
+batch = torch.cat([next(iter(chapter.get_dataloader(dataset, args, 0, 0, torch.device("cpu"), rank, 2)))
+                   for rank in range(2)])
+
+def loss_of(model):
+    with torch.no_grad():
+        return model.eval()(input_ids=batch, labels=batch).loss.item()
+
+pretrained = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
+torch.manual_seed(0)
+random_init = AutoModelForCausalLM.from_config(pretrained.config, dtype=torch.float32)
+print(json.dumps({"pretrained": loss_of(pretrained), "random_init": loss_of(random_init)}))
+"""
+
+
+def test_pretrained_weights_give_the_loss_transformers_computes(runs, env, tmp_path):
+    model_dir = pretrained_model(runs, env)
+    result, experiment = finetune(runs, env)
+    assert f"loaded the pretrained weights of {model_dir}" in result.stdout
+    first_loss = read_losses(experiment)[0]
+    reference = last_json_line(run_program(TRANSFORMERS_LOSS, env, tmp_path, script("05"), *FAST_ARGS,
+                                           "-m", model_dir))
+    print(f"\nfirst-step loss: chapter 05 from the pretrained folder {first_loss:.6f}, transformers "
+          f"{reference['pretrained']:.6f} (difference {abs(first_loss - reference['pretrained']):.1e}); "
+          f"random init {reference['random_init']:.4f}")
+    assert abs(first_loss - reference["pretrained"]) <= 1e-5
+    assert first_loss < reference["random_init"] - 1.0
+
+
+# Each rank loads the pretrained folder into its shards with the chapter's own functions, through the activation
+# checkpoint wrapper (which renames the parameters), and compares every local shard with the slice of the
+# safetensors file it should hold. FSDP shards dimension 0 the way torch.chunk() does.
+SHARDS_EQUAL_SLICES = PREAMBLE + """
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import Shard
+from transformers import AutoModelForCausalLM
+
+model_dir = sys.argv[2]
+dist.init_process_group("gloo")
+rank, world_size = dist.get_rank(), dist.get_world_size()
+with torch.device("meta"):
+    model = AutoModelForCausalLM.from_config(chapter.load_model_config(model_dir), dtype=torch.float32)
+chapter.apply_activation_checkpointing(model)
+chapter.shard_model(model, torch.float32, cpu_offload=False)
+model.to_empty(device="cpu")
+chapter.load_pretrained_weights(model, model_dir)
+figures = {"rank": rank, "tensors": 0, "elements": 0, "total_elements": 0, "largest_difference": 0.0}
+with safe_open(f"{model_dir}/model.safetensors", framework="pt") as weights:
+    for name, param in get_model_state_dict(model).items():
+        assert param.placements == (Shard(0),), (name, param.placements)
+        full_rows = weights.get_slice(name).get_shape()[0]
+        rows_per_rank = -(-full_rows // world_size)
+        start, stop = min(rank * rows_per_rank, full_rows), min((rank + 1) * rows_per_rank, full_rows)
+        expected = weights.get_slice(name)[start:stop]
+        local = param.to_local()
+        assert local.shape == expected.shape, (name, local.shape, expected.shape)
+        figures["largest_difference"] = max(figures["largest_difference"], (local - expected).abs().max().item())
+        figures["tensors"] += 1
+        figures["elements"] += local.numel()
+        figures["total_elements"] += param.numel()
+every_rank = [None] * world_size
+dist.all_gather_object(every_rank, figures)
+if rank == 0:
+    print(json.dumps(every_rank))
+dist.destroy_process_group()
+"""
+
+
+def test_every_rank_holds_its_own_slices_of_the_safetensors(runs, env, tmp_path):
+    model_dir = pretrained_model(runs, env)
+    figures = last_json_line(run_program(SHARDS_EQUAL_SLICES, env, tmp_path, script("05"), model_dir, nproc=2))
+    assert [record["rank"] for record in figures] == [0, 1]
+    for record in figures:
+        print(f"\nrank {record['rank']}: {record['tensors']} shards, {record['elements']:,} of "
+              f"{record['total_elements']:,} elements, largest difference from the safetensors slices "
+              f"{record['largest_difference']}")
+        assert record["tensors"] == 39 and record["largest_difference"] == 0.0
+        assert record["elements"] * 2 == record["total_elements"]
+
+
+# The tensors autograd keeps from the forward pass for the backward pass (saved-tensor hooks, each storage counted
+# once), and the FLOPs of forward plus backward, without and with the chapter's activation checkpointing. Inside a
+# checkpointed layer the checkpoint's own hooks take over: what is counted is what stays in memory.
+ACTIVATIONS_KEPT = PREAMBLE + """
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+from transformers import AutoModelForCausalLM
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+input_ids = torch.randint(0, 4096, (4, 64), generator=torch.Generator().manual_seed(0))
+figures = {}
+for checkpointing in [False, True]:
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(chapter.load_model_config(sys.argv[2]), dtype=torch.float32)
+    if checkpointing:
+        chapter.apply_activation_checkpointing(model)
+    chapter.shard_model(model, torch.float32, cpu_offload=False)
+    model.to_empty(device="cpu")
+    chapter.init_weights(model, 0)
+    chapter.reset_rotary_embeddings(model, torch.device("cpu"))
+    storages = {}
+
+    def keep(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with FlopCounterMode(display=False) as flop_counter:
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        loss.backward()
+    figures[checkpointing] = {"loss": loss.item(), "saved_tensors": len(storages),
+                              "saved_mb": sum(storages.values()) / 1e6, "gflops": flop_counter.get_total_flops() / 1e9}
+print(json.dumps({"off": figures[False], "on": figures[True]}))
+"""
+
+
+def test_activation_checkpointing_keeps_fewer_activations_and_gives_the_same_losses(runs, env, tmp_path):
+    _, eager = finetune(runs, env)
+    _, checkpointed = finetune(runs, env, "--activation-checkpointing")
+    difference = max_difference(read_losses(eager), read_losses(checkpointed))
+    figures = last_json_line(run_program(ACTIVATIONS_KEPT, env, tmp_path, script("05"), TINY_MODEL))
+    off, on = figures["off"], figures["on"]
+    print(f"\nactivation checkpointing: largest loss difference {difference:.1e} over 6 steps; kept for backward: "
+          f"{off['saved_tensors']} tensors ({off['saved_mb']:.1f} MB) without, {on['saved_tensors']} "
+          f"({on['saved_mb']:.1f} MB) with; forward + backward {off['gflops']:.2f} vs {on['gflops']:.2f} GFLOP")
+    assert difference <= 1e-5
+    assert on["loss"] == off["loss"]
+    assert on["saved_tensors"] < off["saved_tensors"] / 2 and on["saved_mb"] < off["saved_mb"]
+    # The recomputation: the layers' forward pass runs twice.
+    assert on["gflops"] > off["gflops"] * 1.15
+    # The checkpoint's parameter names are the model's own, without the wrapper's part.
+    metadata = (checkpointed / "checkpoint-00000006" / ".metadata").read_bytes()
+    assert b"model.layers.0.mlp.up_proj.weight" in metadata and b"_checkpoint_wrapped_module" not in metadata
+
+
+def test_compile_trains_like_eager(runs, env):
+    _, eager = finetune(runs, env)
+    # Compiled and checkpointed together, in the order of a 405B run.
+    _, compiled = finetune(runs, env, "--compile", "--activation-checkpointing")
+    difference = max_difference(read_losses(eager), read_losses(compiled))
+    print(f"\ntorch.compile (CPU, inductor) vs eager: largest loss difference {difference:.1e} over 6 steps")
+    assert difference <= 1e-4
+
+
+def test_resume_is_exact_and_takes_precedence_over_the_pretrained_weights(runs, env, tmp_path):
+    _, straight = finetune(runs, env)
+    model_dir = pretrained_model(runs, env)
+    args = ["-m", model_dir, *STEPS]
+    # The first half with activation checkpointing, the second without: the checkpoint's names do not depend on it.
+    train("05", env, tmp_path, *args, "--exit-after-steps", "3", "--activation-checkpointing", nproc=2,
+          experiment="resumed")
+    result, resumed = train("05", env, tmp_path, *args, nproc=2, experiment="resumed")
+    assert "resumed from" in result.stdout and "loaded the pretrained weights" not in result.stdout
+    difference = max_difference(read_losses(straight), read_losses(resumed))
+    weights = [final_weights(experiment, tmp_path / f"{experiment.name}.pt") for experiment in (straight, resumed)]
+    weight_difference = max((weights[0][name] - weights[1][name]).abs().max().item() for name in weights[0])
+    print(f"\nresume: 6 steps straight vs 3 + 3: largest loss difference {difference:.1e}, "
+          f"largest weight difference {weight_difference:.1e}")
+    assert difference <= 1e-6 and weight_difference <= 1e-6
+
+
+def final_weights(experiment, path):
+    """The weights of an experiment's step-6 checkpoint, read by torch's own DCP converter."""
+    dcp_to_torch_save(experiment / "checkpoint-00000006", path)
+    return torch.load(path, weights_only=True)["model"]
+
+
+BAD_INPUTS = {
+    "cpu offload": (["--cpu-offload"], "error: --cpu-offload", "needs CUDA"),
+    "flash attention": (["--attn-implementation", "flash_attention_2"], "error: --attn-implementation",
+                        "needs a CUDA GPU and the flash-attn package"),
+    "hub model offline": (["-m", "meta-llama/Llama-3.1-405B"], "error: cannot find the model",
+                          "cannot be downloaded from the Hugging Face hub"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_what_this_machine_cannot_do_gets_a_one_line_error(env, tmp_path, case):
+    args, start, expected = BAD_INPUTS[case]
+    result, _ = train("05", env, tmp_path, *args, "--max-steps", "2", check=False, timeout=120)
+    assert result.returncode == 1
+    assert error_line(result).startswith(start) and expected in error_line(result), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_a_folder_without_one_of_the_weights_gets_a_one_line_error(runs, env, tmp_path):
+    model_dir = tmp_path / "incomplete-model"
+    shutil.copytree(pretrained_model(runs, env), model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    del weights["model.layers.2.mlp.up_proj.weight"]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    result, _ = train("05", env, tmp_path, "-m", model_dir, "--max-steps", "2", check=False, timeout=120)
+    assert result.returncode == 1
+    assert error_line(result) == (
+        f"error: cannot load the weights of {model_dir} (Missing key in checkpoint state_dict: "
+        "model.layers.2.mlp.up_proj.weight.); its *.safetensors must hold every weight of the model its config.json "
+        "describes, under the Hugging Face names"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def fake_command(tmp_path, name, body='printf "%s\\n" "$*"'):
+    """An executable that runs body (by default: print its arguments) and appends the output to tmp_path/NAME.calls."""
+    path = tmp_path / "bin" / name
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(f"#!/bin/bash\n{{\n{body}\n}} >> {tmp_path / name}.calls\n")
+    path.chmod(0o755)
+    return path
+
+
+# What launch-ssh.sh asks each host to do, run here with a tmux that prints the command its session would run.
+FAKE_SSH = """host=$1; shift
+tmux() { if [ "$1" = has-session ]; then return 1; fi; echo "$host: ${*: -1}"; }
+eval "$*"
+"""
+
+
+def test_launch_starts_chapter_05_on_every_host_with_the_environment_of_a_405b_run(env, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# two nodes\nnode-a slots=8\nnode-b slots=8\n")
+    # The test's own OMP_NUM_THREADS and HF_HUB_OFFLINE left out, to see launch.sh's defaults.
+    launch_env = {name: value for name, value in env.items() if name not in ("OMP_NUM_THREADS", "HF_HUB_OFFLINE")}
+    launch_env.update(SSH=str(fake_command(tmp_path, "ssh", FAKE_SSH)), TORCHRUN="/opt/venv/bin/torchrun")
+    run(["bash", CHAPTER / "launch.sh", hosts, "-m", "/shared/Llama-3.1-405B", "-e", "llama-405b"], launch_env,
+        tmp_path)
+    calls = (tmp_path / "ssh.calls").read_text().splitlines()
+    assert [call.split(":")[0] for call in calls] == ["node-a", "node-b"]
+    for call in calls:
+        assert "/opt/venv/bin/torchrun --nnodes 2 --nproc-per-node 8 " in call
+        assert f"{script('05')} -m /shared/Llama-3.1-405B -e llama-405b" in call
+        for variable in ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "OMP_NUM_THREADS=16", "HF_HUB_OFFLINE=1"]:
+            assert f" {variable} " in call, call
+
+
+def test_download_fetches_only_the_weights_config_and_tokenizer(env, tmp_path):
+    fake_command(tmp_path, "hf")
+    download_env = {**env, "PATH": f"{tmp_path / 'bin'}{os.pathsep}{env['PATH']}"}
+    run(["bash", CHAPTER / "download.sh", "meta-llama/Llama-3.1-405B", tmp_path / "models"], download_env, tmp_path)
+    call = (tmp_path / "hf.calls").read_text().strip()
+    assert call.startswith(f"download meta-llama/Llama-3.1-405B --local-dir {tmp_path / 'models' / 'Llama-3.1-405B'}")
+    # The same files the script itself fetches when -m is a hub name.
+    chapter = load_script("05")
+    assert re.findall(r"--include (\S+)", call) == chapter.MODEL_FILES
+    assert re.findall(r"--exclude (\S+)", call) == chapter.SKIPPED_MODEL_FILES
