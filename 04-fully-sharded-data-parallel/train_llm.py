@@ -60,7 +60,9 @@ def main():
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device)
+        # NOTE: with --cpu-offload the gradients are in CPU memory, and clip_grad_norm_ all-reduces their norm there.
+        # NCCL moves GPU tensors only, so CPU tensors get a gloo backend of their own.
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group(backend="gloo")
