@@ -43,15 +43,15 @@ LINEAGE = {
         "load_checkpoint": "each rank reads its own shards, resharding to the current world size",
     },
     ("04", "05"): {
-        "main": "pretrained weights (from a folder or the hub), activation checkpointing, torch.compile, gloo for "
-                "CPU-offloaded tensors, and no KV cache in training",
+        "main": "pretrained weights (from a folder or the hub), activation checkpointing, torch.compile, and no "
+                "KV cache in training",
         "get_parser": "the options of activation checkpointing and compilation",
         "shard_model": "separate FSDP groups for the embedding and the output head of a 405B model, and prefetching",
         "init_weights": "parameter names without the activation checkpoint wrapper's part",
     },
     ("04", "06"): {
         "main": "tensor parallelism on a device mesh instead of FSDP, and loss_parallel()",
-        "get_parser": "tensor parallelism's options instead of --cpu-offload",
+        "get_parser": "without --cpu-offload: tensor parallelism does not offload",
         "init_weights": "its comment: tensor parallelism splits each weight into slices, where FSDP shards it",
     },
     ("06", "07"): {
