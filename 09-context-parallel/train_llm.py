@@ -1,0 +1,1232 @@
+"""Chapter 09: context parallelism: every sequence split across --cp ranks, for sequences too long for one GPU.
+
+The ranks form a (dp, cp) grid. The --cp ranks of a row share the same sequences, each holding its share of every
+sequence's tokens (two chunks, one early and one late, so that causal attention costs every rank the same). Only
+attention needs other tokens: it passes key/value blocks around the ring of cp ranks (or switches to head shards
+with an all-to-all). FSDP shards the weights over all ranks, dp and cp together, as in chapter 04.
+
+On a machine without a GPU, 2 processes splitting each sequence in two:
+
+    torchrun --standalone --nproc-per-node 2 09-context-parallel/train_llm.py --cp 2
+
+On one node with 8 GPUs, 32K-token sequences split 8 ways:
+
+    torchrun --standalone --nproc-per-node 8 09-context-parallel/train_llm.py --cp 8 --seq-length 32768 --batch-size 1 -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-cp
+"""
+
+import argparse
+import contextlib
+import functools
+import importlib.util
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import socket
+import sys
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import wandb
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.experimental._attention import _cp_options, _enable_context_parallel_dispatcher
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from tqdm import tqdm
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOGGER = logging.getLogger("train_llm")
+
+
+# NOTE: @record writes this process's exception to the file torchrun names in TORCHELASTIC_ERROR_FILE, so the
+# job's error summary shows the failing rank's traceback instead of a bare "exit code 1".
+@record
+def main():
+    args = parse_args()
+    launcher, rank, local_rank, world_size = get_distributed_environment(args.rdzv_timeout)
+    setup_logging(rank)
+    LOGGER.info(f"arguments: {vars(args)}")
+    LOGGER.info(f"started by {launcher} on {socket.gethostname()}, "
+                f"rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # NOTE: with --cpu-offload the gradients are in CPU memory, and clip_grad_norm_ all-reduces their norm there.
+        # NCCL moves GPU tensors only, so CPU tensors get a gloo backend of their own.
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group(backend="gloo")
+    dtype = get_compute_dtype(args.dtype, device)
+    LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
+    experiment_dir = Path(args.save_dir) / args.experiment_name
+    experiment_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. The model: built from its config (untrained), every parameter initialized from the seed.
+    with rank_zero_first():
+        config = load_model_config(args.model_name)
+    check_sequence_length(args.seq_length, config)
+    check_attention_implementation(args.attn_implementation, device)
+    check_cpu_offload(args.cpu_offload, device)
+    check_context_parallel(args, config, device)
+    mesh = get_device_mesh(device, world_size, args.cp)
+    cp_mesh = mesh["cp"]
+    load_balance = args.cp_load_balance == "on"
+    LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}" + (
+        f", attention across the split: {args.cp_attention}, load balancing {args.cp_load_balance}" if args.cp > 1 else ""))
+    # NOTE: the attention modules call the function registered under this name: the model's code stays untouched.
+    attn_implementation = args.attn_implementation if args.cp == 1 else \
+        register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
+    # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"
+    # in a second on any machine. fully_shard() then replaces every parameter by a DTensor holding this rank's
+    # shard, still on meta; to_empty() allocates only those shards on the device; init_weights() fills them.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    # NOTE: the dp and cp ranks all hold the same weights, so FSDP shards them over all of them: over the (dp, cp)
+    # mesh flattened into one dimension, as torchtitan does.
+    shard_model(model, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.cpu_offload)
+    model.to_empty(device="cpu" if args.cpu_offload else device)
+    init_weights(model, args.seed)
+    reset_rotary_embeddings(model, device)
+    num_params = sum(p.numel() for p in model.parameters())
+    LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers")
+
+    # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
+    with rank_zero_first():
+        tokenizer = load_tokenizer(args.model_name)
+        dataset = load_and_tokenize_dataset(args, tokenizer)
+    # NOTE: the cp ranks of a row read the same sequences; data parallelism runs across the rows. The data-parallel
+    # rank and size come from the mesh's dp dimension, never from the world.
+    dp_mesh = mesh["dp"]
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    samples_per_step = args.batch_size * args.grad_accum * dp_size
+    steps_per_epoch = len(dataset) // samples_per_step
+    check_dataset_size(len(dataset), samples_per_step, args)
+    LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # 3. The optimizer and the learning rate schedule.
+    # NOTE: the parameters are this rank's shards, so AdamW keeps moments for the shards only: the optimizer
+    # state is sharded with no change to the optimizer. With --cpu-offload it steps on the CPU.
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        weight_decay=args.weight_decay,
+        fused=device.type == "cuda" and not args.cpu_offload,
+    )
+    max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps)
+    )
+
+    # 4. Resume: if the experiment directory holds a checkpoint, training continues from it.
+    train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
+    checkpoint_dir = find_latest_checkpoint(experiment_dir)
+    if checkpoint_dir is not None:
+        train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
+        LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
+
+    # 5. Experiment tracking: wandb (online if you are logged in, offline otherwise) and metrics.jsonl, on rank 0.
+    if rank == 0:
+        wandb.init(
+            project=args.wandb_project,
+            name=args.experiment_name,
+            id=get_wandb_run_id(experiment_dir),
+            resume="allow",
+            dir=experiment_dir,
+            mode=get_wandb_mode(args.wandb_mode),
+            config=vars(args),
+        )
+        metrics_file = open(experiment_dir / "metrics.jsonl", "a")
+    flops_per_token = get_flops_per_token(model, config, args.seq_length)
+    peak_flops = get_peak_flops(device, dtype)
+
+    # 6. The training loop.
+    model.train()
+    timer = StepTimer(device)
+    progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
+                        disable=rank != 0)
+    steps_this_run = 0
+    tokens_since_log = 0
+    time_of_last_log = time.perf_counter()
+    reset_peak_memory(device)
+    done = train_state["step"] >= max_steps
+    while not done:
+        dataloader = get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
+                                    dp_rank, dp_size)
+        micro_batches = iter(dataloader)
+        for _ in range(len(dataloader) // args.grad_accum):
+            timer.reset()
+            step_loss = torch.zeros((), device=device)
+            for _ in range(args.grad_accum):
+                with timer("data"):
+                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                    # NOTE: this rank's share of the sequences: its tokens, with their positions and labels cut
+                    # from the whole sequences, and the count of all the tokens the micro-batch predicts.
+                    model_inputs = get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance)
+                # NOTE: no autocast: FSDP's MixedPrecisionPolicy casts the all-gathered weights to bf16 instead.
+                # And no no_sync(): skipping the reduce-scatter would keep full, unsharded gradients in memory
+                # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
+                with timer("forward"):
+                    # NOTE: the loss is this rank's tokens' summed loss over the count of all predicted tokens
+                    # (num_items_in_batch): this rank's share of the mean over the global micro-batch.
+                    loss = model(**model_inputs, use_cache=False).loss / args.grad_accum
+                with timer("backward"):
+                    loss.backward()
+                # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
+                # the GPU to finish every step; we read the value only on logging steps.
+                step_loss += loss.detach()
+            with timer("update"):
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                if steps_this_run == 0:
+                    log_memory_held(model, optimizer)
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            train_state["step"] += 1
+            train_state["samples_seen_in_epoch"] += samples_per_step
+            steps_this_run += 1
+            tokens_since_log += samples_per_step * args.seq_length
+            progress_bar.update()
+            step = train_state["step"]
+            done = step == max_steps or steps_this_run == args.exit_after_steps
+
+            if step % args.log_freq == 0 or done:
+                # NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.
+                dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+                # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
+                # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
+                loss_value = step_loss.item()
+                seconds = time.perf_counter() - time_of_last_log
+                time_of_last_log = time.perf_counter()
+                tokens_per_second = tokens_since_log / seconds
+                record = {
+                    "step": step,
+                    "epoch": train_state["epoch"],
+                    "loss": loss_value,
+                    "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_second": tokens_per_second,
+                    "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
+                    **get_memory_stats(device),
+                    **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
+                }
+                if rank == 0:
+                    log_metrics(record, metrics_file)
+                tokens_since_log = 0
+                reset_peak_memory(device)
+
+            if step % args.ckpt_freq == 0 or done:
+                save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank)
+            if done:
+                break
+        if not done:
+            # NOTE: the data loader ran out: the epoch is over.
+            train_state["epoch"] += 1
+            train_state["samples_seen_in_epoch"] = 0
+
+    progress_bar.close()
+    if rank == 0:
+        metrics_file.close()
+        wandb.finish()
+    LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments and logging
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(
+        description="Train a Llama-style causal language model on one GPU, or on the CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
+                        help="Hugging Face hub name or local folder with config.json and the tokenizer")
+    parser.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
+                        help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, .parquet)")
+    parser.add_argument("--dataset-subset", default=None, help="the data set's configuration name, if it has several")
+    parser.add_argument("--text-column", default="text", help="the data set's column that holds the text")
+    parser.add_argument("-e", "--experiment-name", default="quickstart",
+                        help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
+    parser.add_argument("--save-dir", default="outputs", help="parent folder of all experiment folders")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the sample order")
+    parser.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="steps of linear warm-up before cosine decay")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep parameters, gradients and optimizer state in CPU memory; the optimizer steps "
+                             "on the CPU (CUDA only)")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree: ranks that split each sequence between them (the GPUs of a "
+                             "node, for long sequences); the others run data parallel")
+    parser.add_argument("--cp-attention", choices=["ring", "all-to-all", "pytorch"], default="ring",
+                        help="attention across the split: ring (key/value blocks passed around the cp ranks), "
+                             "all-to-all (sequence shards to head shards and back), or pytorch (PyTorch's "
+                             "context_parallel ring over fused kernels, CUDA only)")
+    parser.add_argument("--cp-load-balance", choices=["on", "off"], default="on",
+                        help="give each cp rank one early and one late chunk of every sequence, so that causal "
+                             "attention costs every rank the same; off: one contiguous chunk each")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
+    parser.add_argument("--max-steps", type=int, default=200,
+                        help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
+                             "one would)")
+    parser.add_argument("--num-epochs", type=int, default=None,
+                        help="train for this many passes over the data set instead of --max-steps")
+    parser.add_argument("--exit-after-steps", type=int, default=None,
+                        help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time limit")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="compute dtype; auto is bfloat16 on CUDA and float32 on CPU")
+    parser.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
+    parser.add_argument("--num-workers", type=int, default=1, help="data loader worker processes")
+    parser.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
+    parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
+                        help="default: online if you are logged in to wandb, offline otherwise")
+    parser.add_argument("--wandb-project", default="distributed-training-guide")
+    parser.add_argument("--rdzv-timeout", type=int, default=300,
+                        help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
+                             "by srun or mpirun, before giving up")
+    return parser
+
+
+def parse_args():
+    args = get_parser().parse_args()
+    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
+                 "ckpt_freq"]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.warmup_steps < 0 or args.num_workers < 0:
+        fail("--warmup-steps and --num-workers cannot be negative")
+    return args
+
+
+def fail(message):
+    """Stop with a one-line error on stderr and exit status 1: for mistakes in the input, not bugs."""
+    raise SystemExit(f"error: {message}")
+
+
+def get_distributed_environment(rdzv_timeout):
+    """Who started this process, and its rank, local rank and world size.
+
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every
+    process directly and set variables of their own, which are translated here; their job scripts export
+    MASTER_ADDR and MASTER_PORT. A plain `python train_llm.py` is a world of one process.
+    init_process_group() then reads the standard variables, whoever set them.
+    """
+    environment = os.environ
+    if "RANK" in environment and "WORLD_SIZE" in environment:
+        launcher = "torchrun"
+    elif "SLURM_PROCID" in environment:
+        launcher = "srun"
+        environment["RANK"] = environment["SLURM_PROCID"]
+        environment["LOCAL_RANK"] = environment["SLURM_LOCALID"]
+        environment["WORLD_SIZE"] = environment["SLURM_NTASKS"]
+    elif "OMPI_COMM_WORLD_RANK" in environment:
+        launcher = "mpirun"
+        environment["RANK"] = environment["OMPI_COMM_WORLD_RANK"]
+        environment["LOCAL_RANK"] = environment["OMPI_COMM_WORLD_LOCAL_RANK"]
+        environment["WORLD_SIZE"] = environment["OMPI_COMM_WORLD_SIZE"]
+    else:
+        launcher = "python (a single process)"
+        environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        environment.setdefault("MASTER_PORT", str(find_free_port()))
+    if "MASTER_ADDR" not in environment or "MASTER_PORT" not in environment:
+        fail(f"started by {launcher} without MASTER_ADDR and MASTER_PORT; export them in the job script, set to the "
+             "first node of the job and a free port (see job-srun.sbatch and mpirun.sh)")
+    rank = int(environment["RANK"])
+    if launcher in ("srun", "mpirun") and rank != 0:
+        wait_for_rendezvous(environment["MASTER_ADDR"], int(environment["MASTER_PORT"]), rdzv_timeout, rank)
+    return launcher, rank, int(environment["LOCAL_RANK"]), int(environment["WORLD_SIZE"])
+
+
+def wait_for_rendezvous(host, port, timeout, rank):
+    """Wait until rank 0's rendezvous server accepts connections, or fail with the address that did not answer.
+
+    NOTE: without this, a wrong MASTER_ADDR or a closed firewall port leaves every rank retrying silently until the
+    process group's timeout (30 minutes by default).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                fail(f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous endpoint {host}:{port} "
+                     f"after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT and the firewall, and that rank 0 "
+                     "started")
+            time.sleep(1)
+
+
+def find_free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup_logging(rank):
+    logging.basicConfig(
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        level=logging.INFO,
+        stream=sys.stdout,
+    )
+
+
+def get_compute_dtype(name, device):
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def rank_zero_first():
+    """Run the block on rank 0 first, then on the others.
+
+    NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
+    everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
+    """
+    if dist.get_rank() != 0:
+        dist.barrier()
+    yield
+    if dist.get_rank() == 0:
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. The model
+
+
+def load_model_config(model_name):
+    try:
+        return AutoConfig.from_pretrained(model_name)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load a model config from {model_name!r} ({first_line}); "
+             "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
+
+
+def check_sequence_length(seq_length, config):
+    if seq_length > config.max_position_embeddings:
+        fail(f"--seq-length {seq_length} is longer than the model's maximum of {config.max_position_embeddings} "
+             "positions (max_position_embeddings); use a smaller --seq-length")
+
+
+def check_attention_implementation(attn_implementation, device):
+    if attn_implementation != "flash_attention_2":
+        return
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
+             "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
+
+
+def check_cpu_offload(cpu_offload, device):
+    if cpu_offload and device.type != "cuda":
+        fail("--cpu-offload moves GPU memory to the CPU and needs CUDA; leave it out on a machine without a GPU")
+
+
+def check_context_parallel(args, config, device):
+    """Every rank gets equal chunks of the sequence, and the attention across the split must be one we can split."""
+    if args.cp == 1:
+        return
+    chunks = 2 * args.cp if args.cp_load_balance == "on" else args.cp
+    if args.seq_length % chunks != 0:
+        how = f"2 x --cp {args.cp} = {chunks} equal chunks (with load balancing each rank holds two)" \
+            if args.cp_load_balance == "on" else f"--cp {args.cp} equal chunks"
+        fail(f"--seq-length {args.seq_length} does not split into {how}; use a multiple of {chunks}")
+    if args.attn_implementation != "sdpa":
+        fail(f"--attn-implementation {args.attn_implementation} cannot be split across context-parallel ranks; "
+             f"with --cp {args.cp} the attention is --cp-attention {args.cp_attention}: leave --attn-implementation "
+             "at sdpa")
+    if args.cp_attention == "all-to-all" and config.num_key_value_heads % args.cp != 0:
+        fail(f"--cp-attention all-to-all gives each of the --cp {args.cp} ranks whole key/value heads, and "
+             f"{config.num_key_value_heads} key/value heads (num_key_value_heads) do not divide into {args.cp}; use "
+             f"a --cp that divides {config.num_key_value_heads}, or --cp-attention ring")
+    if args.cp_attention == "pytorch" and device.type != "cuda":
+        fail("--cp-attention pytorch runs PyTorch's context_parallel(), which splits only CUDA's flash, "
+             "memory-efficient and cuDNN attention kernels; on the CPU use --cp-attention ring or all-to-all")
+    # NOTE: the forms below compute plain causal attention: a sliding window or attention dropout would be lost.
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        fail(f"the model uses sliding-window attention (sliding_window {config.sliding_window}), which this "
+             "chapter's attention across the split does not compute; use a model with full causal attention")
+    if getattr(config, "attention_dropout", 0.0):
+        fail(f"the model has attention dropout ({config.attention_dropout}), which this chapter's attention across "
+             "the split does not apply; set attention_dropout to 0 in its config")
+
+
+def get_device_mesh(device, world_size, cp_degree):
+    """Lay the ranks out on a (dp, cp) grid: consecutive ranks (one node's GPUs) split the same sequences.
+
+    NOTE: the last dimension varies fastest: with 2 nodes of 4 GPUs and --cp 4, ranks 0-3 (node 0) are one cp
+    group, ranks 4-7 another, and ranks 0 and 4 share a dp group. Ring attention passes key/value blocks between
+    the ranks of a cp group in every layer: over NVLink inside a node, not over the network.
+    """
+    if cp_degree < 1 or world_size % cp_degree != 0:
+        fail(f"--cp {cp_degree} does not divide the world size {world_size}; use a divisor of {world_size}, "
+             "usually the number of GPUs per node or fewer")
+    return init_device_mesh(device.type, (world_size // cp_degree, cp_degree), mesh_dim_names=("dp", "cp"))
+
+
+def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
+    """Register the attention across the split as a Hugging Face attention implementation; return its name.
+
+    NOTE: each attention module calls the function registered under the config's attn_implementation with the
+    queries, keys and values (positions already rotated in) of this rank's tokens. No mask function is registered
+    under the name, so transformers builds no mask: the token layout tells each form which keys a query may see.
+    """
+    forms = {"ring": ring_attention, "all-to-all": all_to_all_attention, "pytorch": pytorch_ring_attention}
+    name = f"context_parallel_{cp_attention.replace('-', '_')}"
+    AttentionInterface.register(name, functools.partial(forms[cp_attention], cp_mesh=cp_mesh,
+                                                        load_balance=load_balance))
+    if cp_attention == "pytorch":
+        # NOTE: PyTorch's ring runs where scaled_dot_product_attention meets DTensors sharded along the sequence:
+        # the dispatcher routes the fused kernels' forward and backward to it. Its load balancing is the same
+        # layout as ours (chunks i and 2N-1-i: _HeadTailLoadBalancer), a global option of its own.
+        _cp_options.enable_load_balance = load_balance
+        _enable_context_parallel_dispatcher()
+    return name
+
+
+def shard_model(model, mesh, dtype, cpu_offload):
+    """Shard every decoder layer, then the rest (embeddings, final norm, output head) as one last group.
+
+    NOTE: each fully_shard() call makes one group whose parameters are all-gathered, and whose gradients are
+    reduce-scattered, in one collective. One group per decoder layer means only one or two layers are ever whole
+    in memory, and FSDP prefetches the next layer's all-gather while the current one computes.
+    Here the mesh holds every rank, dp and cp: FSDP cannot tell a cp rank (other tokens of the same sequences)
+    from a dp rank (other sequences); both computed gradients of the same weights from different tokens.
+    """
+    # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
+    # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
+        # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
+        # again for its backward: memory of one layer instead of all, for one more all-gather. The last layer
+        # is the first to run backward, right after forward, so freeing it would only gather it again at once.
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                    reshard_after_forward=index < len(layers) - 1)
+    # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=False)
+    # NOTE: FSDP divides the summed gradients by its number of ranks, to average per-rank means. Each rank's loss
+    # here is already its share of the global mean (its tokens' summed loss over the count of all predicted
+    # tokens), so the gradients must be summed, not averaged: a divide factor of 1, with a plain SUM reduction
+    # (else FSDP asks for NCCL's premultiplied sum, which gloo does not have).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    """Initialize every parameter from a generator seeded with the seed and the parameter's name.
+
+    NOTE: each parameter's values depend only on (seed, name, device type), not on the order in which parameters
+    are created or on how the model is split. That is what lets every later chapter, however it splits the model
+    across GPUs, start from exactly the same weights as this one, and so reproduce this chapter's loss curve.
+    (CPU and CUDA generators draw different numbers: compare GPU runs with GPU runs.)
+    """
+    std = model.config.initializer_range
+    for name, param in model.named_parameters():
+        generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if name.endswith("norm.weight"):
+            full_value = torch.ones(param.shape, device=param.device)
+        else:
+            full_value = torch.empty(param.shape, device=param.device).normal_(mean=0.0, std=std, generator=generator)
+        # NOTE: param is this rank's shard (a DTensor). distribute_tensor() cuts the same slice out of the full
+        # value, so the sharded model holds exactly the weights the unsharded one of chapter 01 holds.
+        # Every rank drew the same full value, so src_data_rank=None cuts it locally instead of sending it.
+        param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
+
+
+@torch.no_grad()
+def reset_rotary_embeddings(model, device):
+    """Recompute the rotary embeddings' inverse frequencies, which to_empty() left as uninitialized memory.
+
+    NOTE: inv_freq is a non-persistent buffer: not a parameter, so init_weights() skips it, and not in the state
+    dict, so loading a checkpoint does not restore it either. Forgetting this trains with garbage positions.
+    """
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            fresh_module = type(module)(module.config)
+            for name, buffer in fresh_module.named_buffers():
+                module.register_buffer(name, buffer.to(device), persistent=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1b. Attention across the split: each rank holds some tokens of every sequence, and attention needs them all
+
+
+def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
+    """The positions in the sequence of the tokens that rank cp_rank of a context-parallel group holds, in order.
+
+    NOTE: under the causal mask, token t attends to the t tokens before it. Cut into cp_size contiguous chunks, the
+    last rank's queries would see the whole sequence and the first rank's only their own chunk: the last rank does
+    2 x cp_size - 1 times the first one's work while the others wait for it. Load balancing cuts the sequence into
+    2 x cp_size chunks instead and gives rank i chunks i and 2 x cp_size - 1 - i, one early and one late: every
+    rank then does the same work.
+    """
+    if not load_balance:
+        chunk = seq_length // cp_size
+        return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
+    chunk = seq_length // (2 * cp_size)
+    late = 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
+                      torch.arange(late * chunk, (late + 1) * chunk, device=device)])
+
+
+def ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
+    """Ring attention, as a Hugging Face attention function: (batch, heads, tokens, head_dim) in, (batch, tokens,
+    heads, head_dim) out, for this rank's tokens; attention_mask is None (no mask function is registered)."""
+    output = RingAttention.apply(query, key, value, scaling, cp_mesh.get_group(), load_balance)
+    return output.transpose(1, 2), None
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the whole sequence, whose keys and values go around the ring.
+
+    Forward: each of the cp_size steps computes this rank's queries against one rank's key/value block while the
+    block moves on to the next rank (send to rank + 1, receive from rank - 1), and folds the block's result into
+    the running one with its log-sum-exp (the online softmax of FlashAttention). Only this rank's queries, keys,
+    values, output and log-sum-exp are kept for backward: memory of this rank's tokens, never of the sequence.
+
+    Backward: the key/value blocks go around once more, and with each travels the gradient of its keys and values,
+    to which every rank adds its queries' part; after a full turn each block's gradient is back with its owner.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale, group, load_balance):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        output = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
+        key_value = torch.stack([key, value])
+        for step in range(size):
+            if step < size - 1:
+                # NOTE: the next block is on its way while this one computes: communication overlaps compute.
+                next_key_value, requests = start_ring_pass(key_value, group, tag=0)
+            visible = visible_block(rank, (rank - step) % size, query.shape[2], load_balance)
+            if visible is not None:
+                rows, columns, causal = visible
+                block_output, block_lse = attention_block(query[:, :, rows], key_value[0][:, :, columns],
+                                                          key_value[1][:, :, columns], scale, causal)
+                merge_block(output[:, :, rows], lse[:, :, rows], block_output, block_lse)
+            if step < size - 1:
+                for request in requests:
+                    request.wait()
+                key_value = next_key_value
+        ctx.save_for_backward(query, key, value, output, lse)
+        ctx.scale, ctx.group, ctx.load_balance = scale, group, load_balance
+        return output.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, output, lse = ctx.saved_tensors
+        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        grad_output = grad_output.float()
+        # NOTE: the softmax's backward needs, for each query, the sum of grad_output * output over the head
+        # dimension, of the final output: one number per query, computed once and used against every block.
+        delta = (grad_output * output).sum(-1)
+        grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        grad_key_value = torch.zeros((2, *key.shape), dtype=torch.float32, device=key.device)
+        key_value = torch.stack([key, value])
+        for step in range(size):
+            if step < size - 1:
+                next_key_value, requests = start_ring_pass(key_value, ctx.group, tag=0)
+            visible = visible_block(rank, (rank - step) % size, query.shape[2], ctx.load_balance)
+            block_grads = None
+            if visible is not None:
+                rows, columns, causal = visible
+                block_grads = attention_block_backward(grad_output[:, :, rows], query[:, :, rows],
+                                                       key_value[0][:, :, columns], key_value[1][:, :, columns],
+                                                       lse[:, :, rows], delta[:, :, rows], ctx.scale, causal)
+                grad_query[:, :, rows] += block_grads[0]
+            if step > 0:
+                # NOTE: the gradient of the block this rank now holds, as far as the ranks before it computed it.
+                for request in grad_requests:
+                    request.wait()
+                grad_key_value = received_grad_key_value
+            if block_grads is not None:
+                grad_key_value[0][:, :, columns] += block_grads[1]
+                grad_key_value[1][:, :, columns] += block_grads[2]
+            received_grad_key_value, grad_requests = start_ring_pass(grad_key_value, ctx.group, tag=1)
+            if step < size - 1:
+                for request in requests:
+                    request.wait()
+                key_value = next_key_value
+        # NOTE: the last pass brought this rank's own keys' and values' gradient home, complete.
+        for request in grad_requests:
+            request.wait()
+        grad_key, grad_value = received_grad_key_value
+        return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), None, None, None
+
+
+def start_ring_pass(tensor, group, tag):
+    """Send tensor to the next rank of the ring and receive the previous rank's into a new tensor.
+
+    Returns at once with (the receiving tensor, the requests to wait on before reading it). isend and irecv are
+    point-to-point operations that every backend has (NCCL, gloo); the tag keeps two passes in flight apart.
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    received = torch.empty_like(tensor)
+    requests = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, tensor, group=group, group_peer=(rank + 1) % size, tag=tag),
+        dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size, tag=tag),
+    ])
+    return received, requests
+
+
+def visible_block(rank, source, local_length, load_balance):
+    """Which of this rank's queries see which keys of the source rank: (query rows, key columns, causal) or None.
+
+    NOTE: the causal mask decides, per pair of ranks, between three cases, with no mask to build. Without load
+    balancing: a source rank before this one holds only earlier tokens (all visible), one after it only later
+    tokens (nothing to compute). With load balancing each rank holds an early chunk and a late chunk: a source rank
+    before this one has its early chunk before both of ours and its late chunk after both (our queries see its
+    early half); a source rank after this one has both chunks after our early chunk and before our late chunk
+    (only our late half sees them). Either way half a block: every rank does the same work at every step.
+    """
+    everything = slice(None)
+    if source == rank:
+        # NOTE: this rank's own tokens, in order (early chunk, then late chunk): the ordinary causal mask.
+        return everything, everything, True
+    if not load_balance:
+        return (everything, everything, False) if source < rank else None
+    half = local_length // 2
+    if source < rank:
+        return everything, slice(0, half), False
+    return slice(half, None), everything, False
+
+
+def attention_block(query, key, value, scale, causal):
+    """softmax(query key^T x scale) value for one block of queries and keys, and each query's log-sum-exp.
+
+    NOTE: plain matrix products in fp32, so that the split is exact and runs on any device: the block's scores
+    (queries x keys of one rank) exist only inside this call and its backward's recomputation, never kept.
+    """
+    scores = block_scores(query, key, scale, causal)
+    lse = scores.logsumexp(-1, keepdim=True)
+    output = torch.exp(scores - lse) @ value.float()
+    return output.view(query.shape), lse.view(query.shape[:-1])
+
+
+def attention_block_backward(grad_output, query, key, value, lse, delta, scale, causal):
+    """The gradients of one block's queries, keys and values, from the final output's log-sum-exp and delta."""
+    batch, kv_heads, rows = key.shape[0], key.shape[1], query.shape[1] // key.shape[1] * query.shape[2]
+    # NOTE: the final log-sum-exp turns each block's scores into the block's share of the whole softmax.
+    probabilities = torch.exp(block_scores(query, key, scale, causal) - lse.reshape(batch, kv_heads, rows, 1))
+    grad_output = grad_output.reshape(batch, kv_heads, rows, -1)
+    grad_value = probabilities.transpose(-1, -2) @ grad_output
+    grad_scores = probabilities * (grad_output @ value.float().transpose(-1, -2) - delta.reshape(batch, kv_heads, rows, 1))
+    grad_query = (grad_scores @ key.float() * scale).view(query.shape)
+    grad_key = grad_scores.transpose(-1, -2) @ query.float().reshape(batch, kv_heads, rows, -1) * scale
+    return grad_query, grad_key, grad_value
+
+
+def block_scores(query, key, scale, causal):
+    """The attention scores of a block, (batch, kv_heads, heads / kv_heads x queries, keys), in fp32.
+
+    NOTE: grouped-query attention: the heads / kv_heads query heads that share a key/value head are stacked as rows
+    of one matrix product with it, so the key/value heads are never repeated (neither in memory nor on the wire).
+    """
+    batch, heads, num_queries, head_dim = query.shape
+    kv_heads, num_keys = key.shape[1], key.shape[2]
+    grouped_query = query.float().reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)
+    scores = grouped_query @ key.float().transpose(-1, -2) * scale
+    if causal:
+        future = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).triu(1)
+        scores = scores.masked_fill(future.repeat(heads // kv_heads, 1), float("-inf"))
+    return scores
+
+
+def merge_block(output, lse, block_output, block_lse):
+    """Fold one block's attention into the running output and log-sum-exp (in place): the online softmax.
+
+    NOTE: each part is a softmax-weighted average over its own keys; weighting the two by their shares of the
+    total, exp(lse_part - lse_total), gives the average over all the keys, exactly.
+    """
+    total_lse = torch.logaddexp(lse, block_lse)
+    output.mul_(torch.exp(lse - total_lse).unsqueeze(-1)).add_(block_output * torch.exp(block_lse - total_lse).unsqueeze(-1))
+    lse.copy_(total_lse)
+
+
+def all_to_all_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
+    """All-to-all (DeepSpeed-Ulysses) attention, as a Hugging Face attention function.
+
+    NOTE: one all-to-all turns "this rank's tokens of every head" into "every token of this rank's heads"; attention
+    then is ordinary causal attention (SDPA, FlashAttention on GPUs) over the whole sequence, and a second
+    all-to-all turns the output back. It needs whole key/value heads on every rank: --cp must divide their number.
+    """
+    group = cp_mesh.get_group()
+    size = dist.get_world_size(group)
+    # NOTE: the sequence as the all-to-all gathers it is the ranks' chunks one after another: with load balancing
+    # not in order. layout[j] is the position of the j-th gathered token; argsort() puts them back in order.
+    layout = torch.cat([get_token_indices(query.shape[2] * size, rank, size, load_balance, query.device)
+                        for rank in range(size)])
+    query, key, value = (sequence_to_head_shards(states, group, layout) for states in (query, key, value))
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                              enable_gqa=True)
+    return head_to_sequence_shards(output, group, layout).transpose(1, 2), None
+
+
+def sequence_to_head_shards(states, group, layout):
+    """(batch, heads, this rank's tokens, head_dim) -> (batch, heads / cp, all tokens in order, head_dim)."""
+    size = dist.get_world_size(group)
+    batch, heads, tokens, head_dim = states.shape
+    # NOTE: piece j (heads j x heads/cp onwards) goes to rank j; piece j received is rank j's tokens of our heads.
+    pieces = states.reshape(batch, size, heads // size, tokens, head_dim).transpose(0, 1).contiguous()
+    received = AllToAll.apply(pieces, group)
+    gathered = received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * tokens, head_dim)
+    return gathered.index_select(2, layout.argsort())
+
+
+def head_to_sequence_shards(states, group, layout):
+    """(batch, heads / cp, all tokens in order, head_dim) -> (batch, heads, this rank's tokens, head_dim)."""
+    size = dist.get_world_size(group)
+    batch, heads_here, seq_length, head_dim = states.shape
+    pieces = states.index_select(2, layout).reshape(batch, heads_here, size, seq_length // size, head_dim)
+    received = AllToAll.apply(pieces.permute(2, 0, 1, 3, 4).contiguous(), group)
+    return received.transpose(0, 1).reshape(batch, heads_here * size, seq_length // size, head_dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """Send piece j (of the first dimension) to rank j and receive rank j's piece for this rank as piece j.
+
+    NOTE: the gradient of what rank j sent us must go back to rank j: the backward is the same exchange, of the
+    gradients. all_to_all_single exists on NCCL and on gloo.
+    """
+
+    @staticmethod
+    def forward(ctx, pieces, group):
+        ctx.group = group
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad_received):
+        grad_pieces = torch.empty_like(grad_received)
+        dist.all_to_all_single(grad_pieces, grad_received.contiguous(), group=ctx.group)
+        return grad_pieces, None
+
+
+def pytorch_ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
+    """PyTorch's ring attention (CUDA only): SDPA on DTensors sharded along the sequence.
+
+    NOTE: with the context-parallel dispatcher on (register_context_parallel_attention), SDPA on sequence-sharded
+    DTensors runs PyTorch's ring over the FlashAttention, memory-efficient or cuDNN kernel, forward and backward.
+    Its kernels want as many key/value heads as query heads, so they are repeated here (and passed around the ring
+    repeated: heads / kv_heads times the bytes of the ring form above).
+    """
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    query, key, value = (DTensor.from_local(states.contiguous(), cp_mesh, [Shard(2)], run_check=False)
+                         for states in (query, key, value))
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    return output.to_local().transpose(1, 2), None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. The data
+
+
+def load_tokenizer(model_name):
+    try:
+        return AutoTokenizer.from_pretrained(model_name)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load a tokenizer from {model_name!r} ({first_line}); the model folder must hold tokenizer files")
+
+
+def load_and_tokenize_dataset(args, tokenizer):
+    """Tokenize every document, join them with an end-of-text token, and cut the stream into seq_length chunks.
+
+    The result is saved on disk, keyed by everything it depends on, so the next run loads it in a second.
+    """
+    key = json.dumps([args.dataset_name, args.dataset_subset, args.text_column, tokenizer.name_or_path,
+                      len(tokenizer), args.seq_length])
+    cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "train_llm" / f"{zlib.crc32(key.encode()):08x}"
+    if not cache_dir.exists():
+        LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
+        raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
+        if args.text_column not in raw_dataset.column_names:
+            fail(f"the data set has no column {args.text_column!r} (it has {raw_dataset.column_names}); "
+                 "pass --text-column with the column that holds the text")
+        tokenized = raw_dataset.map(
+            lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
+            batched=True,
+            remove_columns=raw_dataset.column_names,
+            desc="tokenizing",
+        )
+        chunked = tokenized.map(
+            lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
+            batched=True,
+            batch_size=10_000,
+            desc="chunking",
+        )
+        if len(chunked) == 0:
+            fail(f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more data or a "
+                 "smaller --seq-length")
+        # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
+        temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
+        chunked.save_to_disk(temporary_dir)
+        try:
+            os.replace(temporary_dir, cache_dir)
+        except OSError:
+            # NOTE: another process finished the same cache first (e.g. on another node sharing this folder).
+            shutil.rmtree(temporary_dir)
+    return datasets.load_from_disk(cache_dir).with_format("torch")
+
+
+def load_raw_dataset(dataset_name, dataset_subset):
+    path = Path(dataset_name)
+    try:
+        if path.is_file():
+            builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(dataset_name, dataset_subset, split="train")
+    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load the data set {dataset_name!r} ({first_line}); pass -d a local folder or file, "
+             "or a Hugging Face hub name like tatsu-lab/alpaca")
+
+
+def cut_into_chunks(token_lists, seq_length):
+    stream = [token for tokens in token_lists for token in tokens]
+    return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
+
+
+def check_dataset_size(num_sequences, samples_per_step, args):
+    if num_sequences < samples_per_step:
+        fail(f"the data set has {num_sequences} sequences of {args.seq_length} tokens, fewer than the "
+             f"{samples_per_step} one optimizer step needs; use more data or a smaller --batch-size, --grad-accum "
+             "or --seq-length")
+
+
+def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
+    """This rank's batches of one epoch in a seeded random order, starting after the samples already trained on.
+
+    NOTE: the epoch's order is the permutation chapter 01 drew from (seed, epoch). It is cut after the samples the
+    whole job has seen so far, and only then dealt out round-robin by DistributedSampler (rank r gets samples r,
+    r + world_size, ...). Cutting before dealing is what lets a checkpoint written by 2 ranks resume on 3: the
+    data position is a count of global samples, whatever the world size that saw them.
+    """
+    generator = torch.Generator().manual_seed(args.seed + epoch)
+    sample_order = torch.randperm(len(dataset), generator=generator).tolist()
+    remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
+    sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
+    samples_per_step = args.batch_size * args.grad_accum
+    num_steps = len(sampler) // samples_per_step
+    return DataLoader(
+        Subset(remaining, list(sampler)[:num_steps * samples_per_step]),
+        batch_size=args.batch_size,
+        collate_fn=stack_input_ids,
+        num_workers=args.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+
+
+def stack_input_ids(samples):
+    return torch.stack([sample["input_ids"] for sample in samples])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. The optimizer and the learning rate schedule
+
+
+def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
+    """Linear warm-up from 0 to 1, then cosine decay to min_factor at max_steps (factors of the peak --lr)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. Checkpoints
+
+
+def find_latest_checkpoint(experiment_dir):
+    # NOTE: a checkpoint folder gets its final name only once it is complete, so any "checkpoint-*" is whole.
+    checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):
+    """Save everything needed to continue exactly: weights, optimizer moments, schedule, RNG, data position.
+
+    NOTE: the files are written into a temporary folder that is renamed once complete. A crash during the save
+    leaves the previous checkpoint untouched; older checkpoints are deleted only after the new one exists.
+    No rank holds the whole model, so every rank writes its own shards, in parallel, with
+    torch.distributed.checkpoint (DCP); rank 0 adds the small files and renames the folder once all are done.
+    """
+    started = time.perf_counter()
+    temporary_dir = experiment_dir / f"tmp-checkpoint-{train_state['step']:08d}"
+    if rank == 0:
+        shutil.rmtree(temporary_dir, ignore_errors=True)
+    dist.barrier()
+    # NOTE: get_state_dict() names the shards by their parameter names (model.layers.0.mlp.up_proj.weight, ...),
+    # as in chapter 01, and the optimizer state by the same names instead of by position.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir)
+    if rank == 0:
+        write_checkpoint(experiment_dir, lr_scheduler, train_state, config)
+    dist.barrier()
+    LOGGER.info(f"checkpoint of step {train_state['step']} took {time.perf_counter() - started:.2f}s")
+
+
+def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
+    final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
+    temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
+    torch.save(
+        {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
+        temporary_dir / "train_state.pt",
+    )
+    (temporary_dir / "model_config.json").write_text(config.to_json_string())
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(temporary_dir, final_dir)
+    for old_dir in experiment_dir.glob("checkpoint-*"):
+        if old_dir != final_dir:
+            shutil.rmtree(old_dir)
+    LOGGER.info(f"saved {final_dir}")
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
+    check_checkpoint_matches_model(checkpoint_dir, config)
+    # NOTE: dcp.load() fills the given state dicts in place, each rank reading just the slices of its own shards,
+    # whatever the world size that saved them: resuming on more or fewer GPUs reshards on the fly.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
+    train_state = torch.load(checkpoint_dir / "train_state.pt", weights_only=True)
+    lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
+    set_rng_state(train_state.pop("rng"))
+    return train_state
+
+
+def check_checkpoint_matches_model(checkpoint_dir, config):
+    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
+    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads"]
+    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
+                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
+    if different:
+        fail(f"the checkpoint {checkpoint_dir} was saved from a different model ({', '.join(different)}); "
+             "use another --experiment-name or --save-dir, or the model it was trained with")
+
+
+def get_rng_state():
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(rng_state):
+    torch.set_rng_state(rng_state["cpu"])
+    if rng_state["cuda"]:
+        torch.cuda.set_rng_state_all(rng_state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 5. Experiment tracking
+
+
+def get_wandb_mode(requested_mode):
+    """Online if you are logged in to wandb, offline otherwise: never stop and ask for an API key."""
+    if requested_mode is not None:
+        return requested_mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+
+
+def get_wandb_run_id(experiment_dir):
+    """One wandb run per experiment: a resumed run keeps appending to the same run."""
+    id_file = experiment_dir / "wandb_run_id.txt"
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    return id_file.read_text().strip()
+
+
+def get_flops_per_token(model, config, seq_length):
+    """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus attention's score and value matmuls.
+
+    The formula is the one of the PaLM paper (appendix B) and torchtitan: 6 * N + 12 * L * H * Q * T, with N the
+    parameters that do matmuls, L layers, H heads, Q the head dimension and T the sequence length.
+    """
+    num_params = sum(p.numel() for p in model.parameters())
+    # NOTE: the input embedding is a table lookup, not a matmul: its weights do no FLOPs. Unless they are tied to
+    # the output head (Llama 3.2 1B and 3B), in which case they are counted once, for the head's matmul.
+    if not config.tie_word_embeddings:
+        num_params -= model.get_input_embeddings().weight.numel()
+    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
+    head_dim = config.hidden_size // num_heads
+    return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
+
+
+# Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "B200": 2250e12,
+}
+
+
+def get_peak_flops(device, dtype):
+    """Peak FLOP/s for the MFU denominator, or None where we do not know it (the CPU, an unlisted GPU, fp32)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    device_name = torch.cuda.get_device_name(device)
+    for gpu, flops in PEAK_BF16_FLOPS.items():
+        if gpu in device_name:
+            return flops
+    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
+    return None
+
+
+def get_memory_stats(device):
+    if device.type == "cuda":
+        return {
+            "memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+        }
+    # NOTE: on Linux ru_maxrss is in kilobytes (on macOS in bytes): the peak resident memory of this process.
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"memory_rss_gb": max_rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
+
+
+def log_memory_held(model, optimizer):
+    """Log the bytes of parameters, gradients and optimizer state this rank holds: its shards only."""
+    def local_bytes(tensor):
+        local_tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local_tensor.numel() * local_tensor.element_size()
+
+    parameters = sum(local_bytes(p) for p in model.parameters())
+    gradients = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    optimizer_state = sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
+                          if torch.is_tensor(value) and value.dim() > 0)
+    LOGGER.info(f"memory held by this rank: parameters {parameters / 1e6:.2f} MB, gradients {gradients / 1e6:.2f} MB, "
+                f"optimizer state {optimizer_state / 1e6:.2f} MB")
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def log_metrics(record, metrics_file):
+    mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
+    memory = " ".join(f"{key.removesuffix('_gb')} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
+    times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
+    LOGGER.info(
+        f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}"
+        f" | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory} | ms: {times}"
+    )
+    wandb.log(record, step=record["step"])
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+
+
+class StepTimer:
+    """Time the phases of a training step (data, forward, backward, update) without stalling the GPU.
+
+    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a forward pass on a GPU measures only how long
+    the CPU took to queue its kernels. CUDA events are recorded into the GPU's stream instead and read once, on
+    logging steps, after a single synchronization. On the CPU, work is synchronous and the wall clock is right.
+    """
+
+    def __init__(self, device):
+        self.use_cuda_events = device.type == "cuda"
+        self.spans = []
+
+    def reset(self):
+        self.spans = []
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        if self.use_cuda_events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self.spans.append((name, start, end))
+
+    def read_ms(self):
+        """Milliseconds per phase, summed over micro-batches. Waits for the GPU: call it on logging steps only."""
+        if self.use_cuda_events:
+            torch.cuda.synchronize()
+        totals = {}
+        for name, start, end in self.spans:
+            milliseconds = start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
+            totals[name] = totals.get(name, 0.0) + milliseconds
+        return totals
+
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 6. The training step
+
+
+def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
+    """The model's inputs for this rank's share of a micro-batch of whole sequences.
+
+    NOTE: the labels are shifted on the whole sequence, before the split: the label of a rank's last token is the
+    first token of the next chunk, which another rank holds; shifted after the split it would be lost, and the
+    last chunk's final token, which has nothing to predict, would get a label. transformers takes pre-shifted labels
+    as shift_labels (and computes a loss only when labels is given too). The positions are cut from the whole
+    sequence as well: they tell the rotary embeddings where each token is.
+    """
+    shift_labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
+    # NOTE: the count of all predicted tokens in the global micro-batch (every dp rank's sequences, before the
+    # split): the denominator of the mean. Each rank divides its own tokens' summed loss by it; the ranks' counts
+    # differ (one holds the last token, which predicts nothing), so sums and counts are reduced, never means.
+    num_items_in_batch = (shift_labels != -100).sum()
+    dist.all_reduce(num_items_in_batch, group=dp_mesh.get_group())
+    if cp_mesh.size() == 1:
+        # NOTE: whole sequences: the model makes the positions itself (passed in, transformers would check them
+        # for packed sequences, with a host-device synchronization).
+        return {"input_ids": input_ids, "labels": shift_labels, "shift_labels": shift_labels,
+                "num_items_in_batch": num_items_in_batch}
+    token_indices = get_token_indices(input_ids.shape[1], cp_mesh.get_local_rank(), cp_mesh.size(), load_balance,
+                                      input_ids.device)
+    return {
+        "input_ids": input_ids[:, token_indices],
+        "position_ids": token_indices.expand(input_ids.shape[0], -1),
+        "labels": shift_labels[:, token_indices],
+        "shift_labels": shift_labels[:, token_indices],
+        "num_items_in_batch": num_items_in_batch,
+    }
+
+
+if __name__ == "__main__":
+    main()
