@@ -826,8 +826,9 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_received):
+        grad_received = grad_received.contiguous()
         grad_pieces = torch.empty_like(grad_received)
-        dist.all_to_all_single(grad_pieces, grad_received.contiguous(), group=ctx.group)
+        dist.all_to_all_single(grad_pieces, grad_received, group=ctx.group)
         return grad_pieces, None
 
 

@@ -58,6 +58,14 @@ LINEAGE = {
         "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes",
         "get_parser": "the --tp and --dp-replicate options",
     },
+    ("04", "09"): {
+        "main": "a (dp, cp) device mesh, the attention across the split registered with transformers, data parallel "
+                "over the dp dimension only, each rank's share of the sequences with positions and labels cut "
+                "before the split, and the loss as each rank's share of the global mean (summed, not averaged)",
+        "get_parser": "the --cp, --cp-attention and --cp-load-balance options",
+        "shard_model": "FSDP over the flattened (dp, cp) mesh, summing the gradients: each rank's loss is already "
+                       "its share of the global mean",
+    },
 }
 MUST_EXIST = {("01", "02")}
 
