@@ -11,7 +11,7 @@ On a machine without a GPU, 2 processes splitting each sequence in two:
 
 On one node with 8 GPUs, 32K-token sequences split 8 ways:
 
-    torchrun --standalone --nproc-per-node 8 09-context-parallel/train_llm.py --cp 8 --seq-length 32768 --batch-size 1 -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-cp
+    torchrun --standalone --nproc-per-node 8 09-context-parallel/train_llm.py --cp 8 --cp-attention pytorch --seq-length 32768 --batch-size 1 -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-cp
 """
 
 import argparse
@@ -83,13 +83,13 @@ def main():
     check_cpu_offload(args.cpu_offload, device)
     check_context_parallel(args, config, device)
     mesh = get_device_mesh(device, world_size, args.cp)
-    cp_mesh = mesh["cp"]
-    load_balance = args.cp_load_balance == "on"
-    LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}" + (
-        f", attention across the split: {args.cp_attention}, load balancing {args.cp_load_balance}" if args.cp > 1 else ""))
-    # NOTE: the attention modules call the function registered under this name: the model's code stays untouched.
-    attn_implementation = args.attn_implementation if args.cp == 1 else \
-        register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
+    cp_mesh, load_balance = mesh["cp"], args.cp_load_balance == "on"
+    LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
+    attn_implementation = args.attn_implementation
+    if args.cp > 1:
+        # NOTE: the attention modules call the function registered under this name: the model's code is untouched.
+        attn_implementation = register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
+        LOGGER.info(f"attention across the split: {args.cp_attention}, load balancing {args.cp_load_balance}")
     # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"
     # in a second on any machine. fully_shard() then replaces every parameter by a DTensor holding this rank's
     # shard, still on meta; to_empty() allocates only those shards on the device; init_weights() fills them.
@@ -447,7 +447,7 @@ def check_cpu_offload(cpu_offload, device):
 
 def check_context_parallel(args, config, device):
     """Every rank gets equal chunks of the sequence, and the attention across the split must be one we can split."""
-    if args.cp == 1:
+    if args.cp <= 1:
         return
     chunks = 2 * args.cp if args.cp_load_balance == "on" else args.cp
     if args.seq_length % chunks != 0:
@@ -619,7 +619,10 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, scale, group, load_balance):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        output = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        batch, heads, tokens, head_dim = query.shape
+        # NOTE: the output is laid out in memory as (batch, tokens, heads, head_dim), the layout o_proj reads: the
+        # attention module's reshape is then a view, and o_proj keeps this very tensor for its backward, no copy.
+        output = torch.zeros(batch, tokens, heads, head_dim, dtype=torch.float32, device=query.device).transpose(1, 2)
         lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
         key_value = torch.stack([key, value])
         for step in range(size):
@@ -738,7 +741,8 @@ def attention_block_backward(grad_output, query, key, value, lse, delta, scale, 
     probabilities = torch.exp(block_scores(query, key, scale, causal) - lse.reshape(batch, kv_heads, rows, 1))
     grad_output = grad_output.reshape(batch, kv_heads, rows, -1)
     grad_value = probabilities.transpose(-1, -2) @ grad_output
-    grad_scores = probabilities * (grad_output @ value.float().transpose(-1, -2) - delta.reshape(batch, kv_heads, rows, 1))
+    grad_probabilities = grad_output @ value.float().transpose(-1, -2)
+    grad_scores = probabilities * (grad_probabilities - delta.reshape(batch, kv_heads, rows, 1))
     grad_query = (grad_scores @ key.float() * scale).view(query.shape)
     grad_key = grad_scores.transpose(-1, -2) @ query.float().reshape(batch, kv_heads, rows, -1) * scale
     return grad_query, grad_key, grad_value
@@ -767,7 +771,8 @@ def merge_block(output, lse, block_output, block_lse):
     total, exp(lse_part - lse_total), gives the average over all the keys, exactly.
     """
     total_lse = torch.logaddexp(lse, block_lse)
-    output.mul_(torch.exp(lse - total_lse).unsqueeze(-1)).add_(block_output * torch.exp(block_lse - total_lse).unsqueeze(-1))
+    output.mul_(torch.exp(lse - total_lse).unsqueeze(-1))
+    output.add_(block_output * torch.exp(block_lse - total_lse).unsqueeze(-1))
     lse.copy_(total_lse)
 
 

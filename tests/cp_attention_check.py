@@ -36,7 +36,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from helpers import TINY_MODEL, load_script
 
 BATCH, SEQ_LENGTH, NUM_LAYERS, SEED = 2, 64, 2, 0
-DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else \
+    torch.device("cpu")
 TOLERANCE = 2e-5 if DEVICE.type == "cuda" else 1e-6
 FORMS = ["ring", "all-to-all"] + (["pytorch"] if DEVICE.type == "cuda" else [])
 
@@ -191,7 +192,8 @@ def main():
             for load_balance in (True, False):
                 case = f"cp {cp_size}, {form}, load balancing {'on' if load_balance else 'off'}"
                 attention = check_attention_alone(mesh["cp"], form, load_balance)
-                say(f"   {case:40s} attention alone: " + ", ".join(f"{key} {value:.1e}" for key, value in attention.items()))
+                say(f"   {case:40s} attention alone: "
+                    + ", ".join(f"{key} {value:.1e}" for key, value in attention.items()))
                 failures += [f"{case}: attention {key} differs by {value:.1e}" for key, value in attention.items()
                              if not value <= TOLERANCE]
                 whole = check_whole_model(mesh, form, load_balance, config, reference)

@@ -1,0 +1,184 @@
+"""Measure what context parallelism saves and what load balancing evens out (chapter 09), on the CPU.
+
+    torchrun --standalone --nproc-per-node 4 tools/measure_context_parallel.py
+
+1. Activation memory per rank against the sequence length, for cp 1, 2 and 4 (on 4 processes: meshes (4, 1),
+   (2, 2) and (1, 4)): the bytes autograd keeps from one forward pass of the bundled tiny Llama (batch 1) for the
+   backward pass, counted with saved-tensor hooks (each storage once; the weights, which are not activations, left
+   out). That is the activation memory at its peak, the end of forward. Cut with the chapter's own
+   get_model_inputs(), attention by the chapter's ring (or --form all-to-all).
+2. Ring attention's work per rank, with load balancing on and off, for cp 2 and 4: the attention scores each rank
+   computes in one forward pass of one attention layer (query-key pairs, from the blocks it computes: exact), the
+   milliseconds it spends computing them in forward and backward (the chapter's attention_block() and
+   attention_block_backward(), timed), and the wall-clock time of the whole forward and backward, which waits for
+   the slowest rank.
+
+Prints two Markdown tables, and with --json a file with every figure.
+"""
+
+import argparse
+import copy
+import importlib.util
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = REPO_ROOT / "09-context-parallel" / "train_llm.py"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--form", choices=["ring", "all-to-all"], default="ring", help="attention for part 1")
+    parser.add_argument("--attention-seq-length", type=int, default=8192, help="tokens per sequence in part 2")
+    parser.add_argument("--repeats", type=int, default=3, help="timed forward + backward passes in part 2 (median)")
+    parser.add_argument("--json", default=None, help="write every figure to this file")
+    args = parser.parse_args()
+    dist.init_process_group(backend="gloo")
+    world_size = dist.get_world_size()
+    chapter = load_chapter()
+    cp_sizes = [size for size in (1, 2, 4) if world_size % size == 0]
+
+    memory = {}
+    for cp_size in cp_sizes:
+        mesh = chapter.get_device_mesh(torch.device("cpu"), world_size, cp_size)
+        for seq_length in args.seq_lengths:
+            saved = activation_bytes(chapter, mesh, args.form, seq_length)
+            memory[f"{cp_size}/{seq_length}"] = max(all_ranks(saved))
+
+    work = {}
+    for cp_size in [size for size in cp_sizes if size > 1]:
+        mesh = chapter.get_device_mesh(torch.device("cpu"), world_size, cp_size)
+        for load_balance in (True, False):
+            figures = attention_work(chapter, mesh["cp"], load_balance, args.attention_seq_length, args.repeats)
+            # NOTE: cp group 0 (ranks 0 .. cp_size - 1) speaks for all: every group does the same.
+            gathered = {key: all_ranks(value)[:cp_size] for key, value in figures.items()}
+            work[f"{cp_size}/{'on' if load_balance else 'off'}"] = gathered
+
+    if dist.get_rank() == 0:
+        print_tables(memory, work, cp_sizes, args)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"activation_bytes": memory, "attention": work}, indent=1))
+    dist.destroy_process_group()
+
+
+def load_chapter():
+    spec = importlib.util.spec_from_file_location("train_llm_09", CHAPTER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def all_ranks(value):
+    """Every rank's value of a number, in rank order."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def build_model(chapter, cp_mesh, form, max_positions):
+    config = AutoConfig.from_pretrained(REPO_ROOT / "data" / "tiny-llama")
+    config.max_position_embeddings = max(config.max_position_embeddings, max_positions)
+    attn_implementation = "sdpa" if cp_mesh.size() == 1 else \
+        chapter.register_context_parallel_attention(form, cp_mesh, load_balance=True)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn_implementation,
+                                            dtype=torch.float32).train(), config
+
+
+def activation_bytes(chapter, mesh, form, seq_length):
+    """Bytes autograd keeps from one forward pass (batch 1) on this rank: each storage once, weights left out."""
+    model, config = build_model(chapter, mesh["cp"], form, seq_length)
+    weights = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
+    input_ids = torch.randint(0, config.vocab_size, (1, seq_length), generator=torch.Generator().manual_seed(0))
+    model_inputs = chapter.get_model_inputs(input_ids, mesh["cp"], mesh["dp"], load_balance=True)
+    storages = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    # NOTE: forward only: what it keeps is the peak; backward frees it again.
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        model(**model_inputs, use_cache=False)
+    return sum(storages.values())
+
+
+def attention_work(chapter, cp_mesh, load_balance, seq_length, repeats):
+    """One attention layer of the tiny Llama's shape (8 query heads, 4 key/value heads of 32), batch 1, ring form."""
+    config = AutoConfig.from_pretrained(REPO_ROOT / "data" / "tiny-llama")
+    tokens = seq_length // cp_mesh.size()
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    query = torch.randn(1, config.num_attention_heads, tokens, config.head_dim, generator=generator)
+    key, value = (torch.randn(1, config.num_key_value_heads, tokens, config.head_dim, generator=generator)
+                  for _ in range(2))
+    counters = {"score_pairs": 0, "compute_seconds": 0.0}
+    original_forward, original_backward = chapter.attention_block, chapter.attention_block_backward
+
+    def timed(function, count_pairs):
+        def wrapper(*args, **kwargs):
+            started = time.perf_counter()
+            result = function(*args, **kwargs)
+            counters["compute_seconds"] += time.perf_counter() - started
+            if count_pairs:
+                block_query, block_key, causal = args[0], args[1], args[4]
+                pairs = block_query.shape[2] * block_key.shape[2]
+                counters["score_pairs"] += (pairs + block_query.shape[2]) // 2 if causal else pairs
+            return result
+        return wrapper
+
+    chapter.attention_block = timed(original_forward, True)
+    chapter.attention_block_backward = timed(original_backward, False)
+    name = chapter.register_context_parallel_attention("ring", cp_mesh, load_balance)
+    attention = ALL_ATTENTION_FUNCTIONS[name]
+    compute_ms, wall_ms = [], []
+    try:
+        for _ in range(repeats + 1):
+            counters.update(score_pairs=0, compute_seconds=0.0)
+            q, k, v = (tensor.clone().requires_grad_() for tensor in (query, key, value))
+            dist.barrier()
+            started = time.perf_counter()
+            output, _ = attention(None, q, k, v, None, scaling=config.head_dim ** -0.5)
+            output.sum().backward()
+            dist.barrier()
+            wall_ms.append((time.perf_counter() - started) * 1000)
+            compute_ms.append(counters["compute_seconds"] * 1000)
+    finally:
+        chapter.attention_block, chapter.attention_block_backward = original_forward, original_backward
+    # NOTE: the first pass warms up (allocations, thread pools); the median of the others is reported.
+    return {"score_pairs": counters["score_pairs"], "compute_ms": statistics.median(compute_ms[1:]),
+            "wall_ms": statistics.median(wall_ms[1:])}
+
+
+def print_tables(memory, work, cp_sizes, args):
+    print(f"\nActivation memory per rank: bytes kept for backward after one forward pass, batch 1, "
+          f"{args.form} attention (MB)\n")
+    print("| tokens per sequence | " + " | ".join(f"cp {size}" for size in cp_sizes) + " | "
+          + " | ".join(f"cp {size} / cp 1" for size in cp_sizes[1:]) + " |")
+    print("| --- " * (2 * len(cp_sizes)) + "|")
+    for seq_length in args.seq_lengths:
+        values = [memory[f"{size}/{seq_length}"] for size in cp_sizes]
+        print(f"| {seq_length:,} | " + " | ".join(f"{value / 1e6:.1f}" for value in values) + " | "
+              + " | ".join(f"{value / values[0]:.3f}" for value in values[1:]) + " |")
+    print(f"\nRing attention, one layer, {args.attention_seq_length:,} tokens, forward + backward, per rank of a cp "
+          "group: query-key pairs scored in forward (thousands) | milliseconds computing | wall-clock milliseconds\n")
+    print("| cp | load balancing | " + " | ".join(f"rank {rank}" for rank in range(max(cp_sizes))) + " | wall ms |")
+    print("| --- " * (3 + max(cp_sizes)) + "|")
+    for key, figures in work.items():
+        cp_size, balance = key.split("/")
+        cells = [f"{pairs / 1e3:,.0f}k, {ms:.0f} ms" for pairs, ms in zip(figures["score_pairs"], figures["compute_ms"])]
+        cells += [""] * (max(cp_sizes) - len(cells))
+        print(f"| {cp_size} | {balance} | " + " | ".join(cells) + f" | {max(figures['wall_ms']):.0f} |")
+
+
+if __name__ == "__main__":
+    main()
