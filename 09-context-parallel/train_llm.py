@@ -81,8 +81,8 @@ def main():
     check_sequence_length(args.seq_length, config)
     check_attention_implementation(args.attn_implementation, device)
     check_cpu_offload(args.cpu_offload, device)
-    check_context_parallel(args, config, device)
     mesh = get_device_mesh(device, world_size, args.cp)
+    check_context_parallel(args, config, device)
     cp_mesh, load_balance = mesh["cp"], args.cp_load_balance == "on"
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
     attn_implementation = args.attn_implementation
@@ -445,6 +445,19 @@ def check_cpu_offload(cpu_offload, device):
         fail("--cpu-offload moves GPU memory to the CPU and needs CUDA; leave it out on a machine without a GPU")
 
 
+def get_device_mesh(device, world_size, cp_degree):
+    """Lay the ranks out on a (dp, cp) grid: consecutive ranks (one node's GPUs) split the same sequences.
+
+    NOTE: the last dimension varies fastest: with 2 nodes of 4 GPUs and --cp 4, ranks 0-3 (node 0) are one cp
+    group, ranks 4-7 another, and ranks 0 and 4 share a dp group. Ring attention passes key/value blocks between
+    the ranks of a cp group in every layer: over NVLink inside a node, not over the network.
+    """
+    if cp_degree < 1 or world_size % cp_degree != 0:
+        fail(f"--cp {cp_degree} does not divide the world size {world_size}; use a divisor of {world_size}, "
+             "usually the number of GPUs per node or fewer")
+    return init_device_mesh(device.type, (world_size // cp_degree, cp_degree), mesh_dim_names=("dp", "cp"))
+
+
 def check_context_parallel(args, config, device):
     """Every rank gets equal chunks of the sequence, and the attention across the split must be one we can split."""
     if args.cp <= 1:
@@ -472,19 +485,6 @@ def check_context_parallel(args, config, device):
     if getattr(config, "attention_dropout", 0.0):
         fail(f"the model has attention dropout ({config.attention_dropout}), which this chapter's attention across "
              "the split does not apply; set attention_dropout to 0 in its config")
-
-
-def get_device_mesh(device, world_size, cp_degree):
-    """Lay the ranks out on a (dp, cp) grid: consecutive ranks (one node's GPUs) split the same sequences.
-
-    NOTE: the last dimension varies fastest: with 2 nodes of 4 GPUs and --cp 4, ranks 0-3 (node 0) are one cp
-    group, ranks 4-7 another, and ranks 0 and 4 share a dp group. Ring attention passes key/value blocks between
-    the ranks of a cp group in every layer: over NVLink inside a node, not over the network.
-    """
-    if cp_degree < 1 or world_size % cp_degree != 0:
-        fail(f"--cp {cp_degree} does not divide the world size {world_size}; use a divisor of {world_size}, "
-             "usually the number of GPUs per node or fewer")
-    return init_device_mesh(device.type, (world_size // cp_degree, cp_degree), mesh_dim_names=("dp", "cp"))
 
 
 def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):

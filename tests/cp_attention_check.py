@@ -19,6 +19,8 @@ its get_model_inputs(), not a copy.
    tokens where the chapter put them.
 
 Prints the worst difference of each case; "error: ..." and exit status 1 on the first that is off.
+CP_CHECK_BREAK=ring-sees-the-future breaks the ring's causal mask across ranks (every other rank's keys visible to
+every query), to show that the check fails, and where.
 fp32, differences relative to the largest value (where it is above 1: rounding is relative): attention within
 1e-6 on the CPU (2e-5 on CUDA, whose fused kernels round differently), the whole model within 1e-5.
 """
@@ -179,7 +181,9 @@ def main():
         torch.cuda.set_device(DEVICE)
     world_size = dist.get_world_size()
     chapter = load_script("09")
-    # NOTE: the chapter's get_model_inputs() and its forms take no mask; transformers must build none for them.
+    if os.environ.get("CP_CHECK_BREAK") == "ring-sees-the-future":
+        chapter.visible_block = lambda rank, source, length, load_balance: (slice(None), slice(None), source == rank)
+        say("the ring's visible_block() lets every query see every other rank's keys (wrong on purpose)")
     failures = []
     config, reference = build_models()
     for cp_size in [size for size in (2, 4) if world_size % size == 0]:
@@ -201,6 +205,7 @@ def main():
                                                                 for key, (name, value) in whole.items()))
                 failures += [f"{case}: whole model {key} differs by {value:.1e} at {name}"
                              for key, (name, value) in whole.items() if not value <= 1e-5]
+    # NOTE: the chapter's forms take no mask; transformers must build none for them.
     unmasked = [name for name in ALL_ATTENTION_FUNCTIONS if name.startswith("context_parallel_")
                 and name in ALL_MASK_ATTENTION_FUNCTIONS]
     if unmasked:

@@ -1,0 +1,263 @@
+"""Chapter 09: context parallelism. The attention across the split (ring and all-to-all, load balancing on and off)
+computes what full causal attention computes, module by module; CPU processes under torchrun (gloo) train exactly as
+chapter 01 does on the same global batch, at cp 2 and at dp 2 x cp 2, on sequences of 256 tokens; resume is exact,
+at the same --cp and at another; bad inputs get a one-line error; activation memory per rank falls as 1/cp and load
+balancing evens out the ranks' attention work; the README's CPU command runs and it explains every definition the
+diff from chapter 04 adds or changes.
+
+`pytest -s` prints the figures. Every training run takes 6 steps of 4 sequences of 256 tokens (global batch).
+"""
+
+import json
+import re
+import shlex
+import shutil
+
+import pytest
+import torch
+
+from transformers import AutoConfig
+
+from helpers import (CHAPTERS, REPO, TINY_MODEL, SharedRuns, load_script, max_difference, read_losses, read_metrics,
+                     run, script, torchrun, train)
+from test_drift import LINEAGE, top_level_definitions
+
+README = REPO / CHAPTERS["09"] / "README.md"
+ATTENTION_CHECK = REPO / "tests" / "cp_attention_check.py"
+MEASURE = REPO / "tools" / "measure_context_parallel.py"
+STEPS, HALF = 6, 3
+GLOBAL_BATCH, SEQ_LENGTH = 4, 256
+COMMON = ["--max-steps", str(STEPS), "--seq-length", str(SEQ_LENGTH), "--wandb-mode", "disabled"]
+
+# name: (processes, the flags; --batch-size is per data-parallel rank: 4 / (processes / cp)).
+LAYOUTS = {
+    "cp2-ring": (2, ["--cp", "2"]),
+    "dp2xcp2-ring": (4, ["--cp", "2"]),
+    "dp2xcp2-all-to-all-unbalanced": (4, ["--cp", "2", "--cp-attention", "all-to-all", "--cp-load-balance", "off"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Chapter 01's reference run and chapter 09's runs, made once each, shared by the tests of this file."""
+    return SharedRuns(tmp_path_factory.mktemp("chapter09"))
+
+
+def reference_run(runs, env):
+    return runs.train("01", env, *COMMON, "--batch-size", str(GLOBAL_BATCH))
+
+
+def layout_run(runs, env, case, *extra):
+    nproc, flags = LAYOUTS[case]
+    dp_size = nproc // int(flags[flags.index("--cp") + 1])
+    return runs.train("09", env, *COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // dp_size), *extra, nproc=nproc)
+
+
+def test_the_split_attention_equals_full_causal_attention_module_by_module(env, tmp_path):
+    result = run([*torchrun(4), ATTENTION_CHECK], env, tmp_path, timeout=600)
+    lines = re.findall(r"^(?:==|   cp).*$", result.stdout, re.MULTILINE)
+    print("\nattention check, 4 ranks:\n" + "\n".join(lines))
+    # Every layout 4 ranks make, both forms, load balancing on and off: attention alone and the whole model.
+    for cp_size in (2, 4):
+        assert f"== cp {cp_size} " in result.stdout and "head-tail layout is ours: True" in result.stdout
+        for form in ("ring", "all-to-all"):
+            for balance in ("on", "off"):
+                case = f"cp {cp_size}, {form}, load balancing {balance}"
+                assert re.search(rf"^   {re.escape(case)} +attention alone: output ", result.stdout, re.MULTILINE)
+                assert re.search(rf"^   {re.escape(case)} +whole model: module output ", result.stdout, re.MULTILINE)
+    assert "ok: every output and gradient within 1e-06 of full causal attention" in result.stdout
+
+
+def test_the_attention_check_catches_a_ring_that_lets_queries_see_later_tokens(env, tmp_path):
+    # The ring with visible_block() broken: every other rank's keys all visible. The check must fail, at the ring.
+    result = run([*torchrun(2), ATTENTION_CHECK], {**env, "CP_CHECK_BREAK": "ring-sees-the-future"}, tmp_path,
+                 timeout=600, check=False)
+    errors = sorted({line for line in result.stderr.splitlines() if line.startswith("error: ")})
+    print(f"\nattention check with a broken ring: {errors}")
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].startswith("error: cp 2, ring, load balancing on: attention output differs by")
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_context_parallel_reproduces_chapter_01_losses(env, runs, case):
+    _, reference = reference_run(runs, env)
+    result, experiment = layout_run(runs, env, case)
+    difference = max_difference(read_losses(reference), read_losses(experiment))
+    print(f"\nparity {case} vs chapter 01 (batch {GLOBAL_BATCH} x {SEQ_LENGTH} tokens, {STEPS} steps, fp32): "
+          f"largest loss difference {difference:.1e}")
+    assert difference <= 1e-5
+    nproc, flags = LAYOUTS[case]
+    cp_size = int(flags[flags.index("--cp") + 1])
+    assert f"device mesh: {{'dp': {nproc // cp_size}, 'cp': {cp_size}}}" in result.stdout
+    assert [record["step"] for record in read_metrics(experiment)] == list(range(1, STEPS + 1))
+    # FSDP shards over every rank, dp and cp: one file of shards per rank.
+    assert sorted(path.name for path in (experiment / f"checkpoint-{STEPS:08d}").glob("*.distcp")) == [
+        f"__{rank}_0.distcp" for rank in range(nproc)]
+
+
+def interrupted_run(runs, env):
+    """dp 2 x cp 2, stopped after step 3 with its checkpoint."""
+    return layout_run(runs, env, "dp2xcp2-ring", "--exit-after-steps", str(HALF))
+
+
+def resumed(runs, env, experiment, nproc, *flags):
+    """A copy of the interrupted experiment, resumed to the last step with flags."""
+    _, source = interrupted_run(runs, env)
+    assert [path.name for path in source.glob("checkpoint-*")] == [f"checkpoint-{HALF:08d}"]
+    shutil.copytree(source, runs.workdir / "outputs" / experiment)
+    result, resumed_dir = train("09", env, runs.workdir, *COMMON, *flags, nproc=nproc, experiment=experiment,
+                                timeout=600)
+    assert f"resumed from {resumed_dir / f'checkpoint-{HALF:08d}'}" in result.stdout
+    return resumed_dir
+
+
+def test_resume_is_exact(env, runs):
+    _, straight = layout_run(runs, env, "dp2xcp2-ring")
+    resumed_dir = resumed(runs, env, "resumed-same", 4, "--cp", "2", "--batch-size", "2")
+    difference = max_difference(read_losses(straight), read_losses(resumed_dir))
+    print(f"\nresume dp 2 x cp 2: {STEPS} steps straight vs {HALF} + {STEPS - HALF}: largest loss difference "
+          f"{difference:.1e}")
+    assert difference <= 1e-6
+
+
+def test_resume_at_another_cp_continues_exactly(env, runs):
+    # dp 2 x cp 2 with 2 sequences per dp rank -> dp 1 x cp 4 with 4: the same global batches, another split.
+    _, straight = layout_run(runs, env, "dp2xcp2-ring")
+    resumed_dir = resumed(runs, env, "resumed-cp4", 4, "--cp", "4", "--batch-size", "4")
+    difference = max_difference(read_losses(straight), read_losses(resumed_dir))
+    print(f"\nresume dp 2 x cp 2 -> dp 1 x cp 4 after step {HALF}: largest loss difference {difference:.1e}")
+    assert difference <= 1e-5
+
+
+# What each mistake says: the flags, and a part of the one line. Checked by calling the chapter's checks in this
+# process (every run of the script takes tens of seconds to start); test_a_bad_input_stops_every_rank_with_one_line
+# runs a real job.
+BAD_INPUTS = {
+    "sequence the split cannot divide": (["--cp", "2", "--seq-length", "250"],
+                                         "--seq-length 250 does not split into 2 x --cp 2 = 4 equal chunks"),
+    "unbalanced split that does not divide": (["--cp", "3", "--seq-length", "256", "--cp-load-balance", "off"],
+                                              "--seq-length 256 does not split into --cp 3 equal chunks"),
+    "all-to-all with more ranks than key/value heads": (["--cp", "8", "--cp-attention", "all-to-all"],
+                                                        "4 key/value heads (num_key_value_heads) do not divide into 8"),
+    "all-to-all with a --cp that does not divide the key/value heads": (
+        ["--cp", "3", "--cp-attention", "all-to-all", "--seq-length", "258"],
+        "4 key/value heads (num_key_value_heads) do not divide into 3"),
+    "attention implementation that cannot be split": (["--cp", "2", "--attn-implementation", "eager"],
+                                                      "--attn-implementation eager cannot be split"),
+    "PyTorch's context_parallel on the CPU": (["--cp", "2", "--cp-attention", "pytorch"],
+                                              "--cp-attention pytorch runs PyTorch's context_parallel()"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_a_bad_input_gets_a_one_line_error(case):
+    flags, expected = BAD_INPUTS[case]
+    chapter = load_script("09")
+    args = chapter.get_parser().parse_args(flags)
+    with pytest.raises(SystemExit) as stopped:
+        chapter.check_context_parallel(args, AutoConfig.from_pretrained(TINY_MODEL), torch.device("cpu"))
+    message = str(stopped.value)
+    assert message.startswith("error: ") and expected in message and "\n" not in message, message
+
+
+def test_a_world_size_that_cp_does_not_divide_gets_a_one_line_error():
+    with pytest.raises(SystemExit) as stopped:
+        load_script("09").get_device_mesh(torch.device("cpu"), 4, 3)
+    assert str(stopped.value) == ("error: --cp 3 does not divide the world size 4; use a divisor of 4, usually the "
+                                  "number of GPUs per node or fewer")
+
+
+def test_a_bad_input_stops_every_rank_with_one_line(env, tmp_path):
+    # After the process group and the mesh exist: every rank stops with the line, and the job ends.
+    result, _ = train("09", env, tmp_path, "--max-steps", "2", "--cp", "2", "--seq-length", "250", nproc=2,
+                      check=False, timeout=300)
+    assert result.returncode == 1
+    errors = sorted({line for line in result.stderr.splitlines() if line.startswith("error: ")})
+    assert errors == ["error: --seq-length 250 does not split into 2 x --cp 2 = 4 equal chunks (with load balancing "
+                      "each rank holds two); use a multiple of 4"], result.stderr[-3000:]
+    assert f'File "{script("09")}"' not in result.stderr
+
+
+def test_the_labels_are_shifted_before_the_split_and_the_count_covers_every_rank(monkeypatch):
+    # One sequence 0..15 on 2 cp ranks, load-balanced: rank 0 holds tokens 0-3 and 12-15, rank 1 tokens 4-11. Each
+    # token's label is the next token of the whole sequence, the last has none (-100), and the count is all 15.
+    chapter = load_script("09")
+
+    class Mesh:
+        def __init__(self, rank, size):
+            self.rank, self.size_ = rank, size
+
+        def get_local_rank(self):
+            return self.rank
+
+        def size(self):
+            return self.size_
+
+        def get_group(self):
+            return None
+
+    input_ids = torch.arange(16).unsqueeze(0)
+    # NOTE: one data-parallel rank, so the count's all-reduce has nothing to add: no process group needed.
+    monkeypatch.setattr(chapter.dist, "all_reduce", lambda tensor, group=None: None)
+    shares = [chapter.get_model_inputs(input_ids, Mesh(rank, 2), Mesh(0, 1), load_balance=True) for rank in (0, 1)]
+    assert shares[0]["input_ids"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert shares[0]["position_ids"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert shares[0]["shift_labels"].tolist() == [[1, 2, 3, 4, 13, 14, 15, -100]]
+    assert shares[1]["input_ids"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert shares[1]["shift_labels"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
+    assert all(torch.equal(share["labels"], share["shift_labels"]) for share in shares)
+    assert [share["num_items_in_batch"].item() for share in shares] == [15, 15]
+
+
+def test_memory_per_rank_falls_as_one_over_cp_and_load_balancing_evens_the_work(env, tmp_path):
+    figures_file = tmp_path / "figures.json"
+    run([*torchrun(4), MEASURE, "--seq-lengths", "512", "1024", "--attention-seq-length", "1024", "--repeats", "1",
+         "--json", figures_file], env, tmp_path, timeout=600)
+    figures = json.loads(figures_file.read_text())
+    memory = figures["activation_bytes"]
+    print("\nactivation memory per rank (MB, batch 1): " + ", ".join(
+        f"{key.replace('/', ' at ')} tokens: {value / 1e6:.1f}" for key, value in memory.items()))
+    for seq_length in (512, 1024):
+        for cp_size in (2, 4):
+            ratio = memory[f"{cp_size}/{seq_length}"] / memory[f"1/{seq_length}"]
+            assert abs(ratio - 1 / cp_size) <= 0.01 / cp_size, (seq_length, cp_size, ratio)
+        # And it grows linearly with the sequence: no sequence x sequence matrix is kept.
+    assert abs(memory["1/1024"] / memory["1/512"] - 2) <= 0.02
+    attention = figures["attention"]
+    print("ring attention, 1024 tokens, query-key pairs per rank: " + "; ".join(
+        f"cp {key.replace('/', ', balancing ')}: {value['score_pairs']}" for key, value in attention.items()))
+    for cp_size in (2, 4):
+        balanced, unbalanced = attention[f"{cp_size}/on"]["score_pairs"], attention[f"{cp_size}/off"]["score_pairs"]
+        # Balanced: every rank scores the same pairs, a 1/cp share of the causal triangle's 1024 x 1025 / 2.
+        assert len(set(balanced)) == 1 and balanced[0] * cp_size == 1024 * 1025 // 2
+        # Unbalanced: rank i scores its own chunk's triangle and i whole chunks before it: 2i + 1 halves.
+        chunk = 1024 // cp_size
+        assert unbalanced == [rank * chunk * chunk + chunk * (chunk + 1) // 2 for rank in range(cp_size)]
+
+
+def readme_text():
+    return README.read_text()
+
+
+def test_the_readme_cpu_commands_train(env, tmp_path):
+    commands = [shlex.split(line.strip()) for line in readme_text().splitlines()
+                if line.strip().startswith("torchrun --standalone --nproc-per-node ")
+                and f"{CHAPTERS['09']}/train_llm.py" in line]
+    cpu_commands = [command for command in commands if "-m" not in command]
+    assert cpu_commands, "the README shows no CPU command"
+    # The first one as written, from a scratch folder and shortened to 2 steps; the others are layouts tested above.
+    command = cpu_commands[0]
+    result = run([*command[:command.index(f"{CHAPTERS['09']}/train_llm.py")], script("09"),
+                  *command[command.index(f"{CHAPTERS['09']}/train_llm.py") + 1:], "--max-steps", "2"], env, tmp_path,
+                 timeout=600)
+    assert [record["step"] for record in read_metrics(tmp_path / "outputs" / "quickstart")] == [2]
+    assert "done: step 2 of 2" in result.stdout
+
+
+def test_the_readme_explains_every_definition_the_diff_adds_or_changes():
+    base, chapter = (top_level_definitions(script(name).read_text()) for name in ("04", "09"))
+    added = [name for name in chapter if name not in base]
+    changed = list(LINEAGE["04", "09"])
+    text = readme_text()
+    missing = [name for name in added + changed if f"`{name}" not in text]
+    assert not missing, f"the README does not name {missing}"
