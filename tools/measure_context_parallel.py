@@ -12,8 +12,13 @@
    milliseconds it spends computing them in forward and backward (the chapter's attention_block() and
    attention_block_backward(), timed), and the wall-clock time of the whole forward and backward, which waits for
    the slowest rank.
+3. Llama-3.1-8B's activations per GPU at 8K, 32K and 128K tokens, for cp 1, 8 and 16: the same saved-tensor count,
+   on the meta device (shapes and dtypes, no memory and no computation: any size "runs" in seconds), in bf16 as FSDP's
+   mixed precision computes, with attention keeping what FlashAttention keeps (queries, keys, values, output and
+   log-sum-exp, no scores). A rank of a cp group keeps what a sequence of seq_length / cp tokens keeps (part 1 shows
+   it to the byte), so each entry is one forward pass of seq_length / cp tokens.
 
-Prints two Markdown tables, and with --json a file with every figure.
+Prints three Markdown tables, and with --json a file with every figure.
 """
 
 import argparse
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, LlamaConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +44,7 @@ def main():
     parser.add_argument("--form", choices=["ring", "all-to-all"], default="ring", help="attention for part 1")
     parser.add_argument("--attention-seq-length", type=int, default=8192, help="tokens per sequence in part 2")
     parser.add_argument("--repeats", type=int, default=3, help="timed forward + backward passes in part 2 (median)")
+    parser.add_argument("--skip-llama-8b", action="store_true", help="leave out part 3")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     args = parser.parse_args()
     dist.init_process_group(backend="gloo")
@@ -62,10 +68,13 @@ def main():
             gathered = {key: all_ranks(value)[:cp_size] for key, value in figures.items()}
             work[f"{cp_size}/{'on' if load_balance else 'off'}"] = gathered
 
+    llama_8b = {} if args.skip_llama_8b or dist.get_rank() != 0 else llama_8b_activation_bytes()
+
     if dist.get_rank() == 0:
-        print_tables(memory, work, cp_sizes, args)
+        print_tables(memory, work, llama_8b, cp_sizes, args)
         if args.json:
-            Path(args.json).write_text(json.dumps({"activation_bytes": memory, "attention": work}, indent=1))
+            Path(args.json).write_text(json.dumps({"activation_bytes": memory, "attention": work,
+                                                   "llama_8b_bytes": llama_8b}, indent=1))
     dist.destroy_process_group()
 
 
@@ -159,7 +168,62 @@ def attention_work(chapter, cp_mesh, load_balance, seq_length, repeats):
             "wall_ms": statistics.median(wall_ms[1:])}
 
 
-def print_tables(memory, work, cp_sizes, args):
+# Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B on the Hugging Face hub, a gated download), the values that
+# shape its activations.
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072,
+                tie_word_embeddings=False)
+
+
+class KeptLikeFlashAttention(torch.autograd.Function):
+    """What FlashAttention keeps for backward: queries, keys, values, output and log-sum-exp; shapes only (meta).
+
+    The output is laid out as (batch, tokens, heads, head_dim), as the fused kernels return it, so o_proj's input
+    is the same tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value):
+        batch, heads, tokens, head_dim = query.shape
+        output = query.new_empty(batch, tokens, heads, head_dim).transpose(1, 2)
+        lse = query.new_empty(batch, heads, tokens, dtype=torch.float32)
+        ctx.save_for_backward(query, key, value, output, lse)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        raise NotImplementedError("shapes only")
+
+
+def llama_8b_activation_bytes():
+    """{"cp/seq_length": bytes} kept by one GPU, batch 1, for Llama-3.1-8B, on the meta device."""
+    AttentionInterface.register("kept_like_fused_kernels", lambda module, query, key, value, *args, **kwargs: (
+        KeptLikeFlashAttention.apply(query, key, value).transpose(1, 2), None))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**LLAMA_8B), attn_implementation="kept_like_fused_kernels",
+                                                 dtype=torch.bfloat16).train()
+    weights = {parameter.untyped_storage()._cdata for parameter in model.parameters()}
+    figures = {}
+    for seq_length in (8192, 32768, 131072):
+        for cp_size in (1, 8, 16):
+            tokens = seq_length // cp_size
+            storages = {}
+
+            def keep(tensor):
+                # NOTE: meta storages have no addresses; _cdata tells them apart.
+                storage = tensor.untyped_storage()
+                if storage._cdata not in weights:
+                    storages[storage._cdata] = storage.nbytes()
+                return tensor
+
+            input_ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+            with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+                model(input_ids=input_ids, labels=input_ids, use_cache=False)
+            figures[f"{cp_size}/{seq_length}"] = sum(storages.values())
+    return figures
+
+
+def print_tables(memory, work, llama_8b, cp_sizes, args):
     print(f"\nActivation memory per rank: bytes kept for backward after one forward pass, batch 1, "
           f"{args.form} attention (MB)\n")
     print("| tokens per sequence | " + " | ".join(f"cp {size}" for size in cp_sizes) + " | "
@@ -178,6 +242,14 @@ def print_tables(memory, work, cp_sizes, args):
         cells = [f"{pairs / 1e3:,.0f}k, {ms:.0f} ms" for pairs, ms in zip(figures["score_pairs"], figures["compute_ms"])]
         cells += [""] * (max(cp_sizes) - len(cells))
         print(f"| {cp_size} | {balance} | " + " | ".join(cells) + f" | {max(figures['wall_ms']):.0f} |")
+    if llama_8b:
+        print("\nLlama-3.1-8B, activations kept per GPU after one forward pass, batch 1, bf16, no activation "
+              "checkpointing (GB)\n")
+        print("| tokens per sequence | cp 1 | cp 8 | cp 16 |")
+        print("| --- | --- | --- | --- |")
+        for seq_length in (8192, 32768, 131072):
+            print(f"| {seq_length:,} | " + " | ".join(f"{llama_8b[f'{cp_size}/{seq_length}'] / 1e9:,.1f}"
+                                                     for cp_size in (1, 8, 16)) + " |")
 
 
 if __name__ == "__main__":
