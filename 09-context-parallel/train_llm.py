@@ -1219,8 +1219,7 @@ def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
     num_items_in_batch = (shift_labels != -100).sum()
     dist.all_reduce(num_items_in_batch, group=dp_mesh.get_group())
     if cp_mesh.size() == 1:
-        # NOTE: whole sequences: the model makes the positions itself (passed in, transformers would check them
-        # for packed sequences, with a host-device synchronization).
+        # NOTE: whole sequences: nothing to cut, and the model numbers the positions itself.
         return {"input_ids": input_ids, "labels": shift_labels, "shift_labels": shift_labels,
                 "num_items_in_batch": num_items_in_batch}
     token_indices = get_token_indices(input_ids.shape[1], cp_mesh.get_local_rank(), cp_mesh.size(), load_balance,
