@@ -42,7 +42,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--form", choices=["ring", "all-to-all"], default="ring", help="attention for part 1")
-    parser.add_argument("--attention-seq-length", type=int, default=8192, help="tokens per sequence in part 2")
+    parser.add_argument("--attention-seq-length", type=int, default=4096, help="tokens per sequence in part 2")
     parser.add_argument("--repeats", type=int, default=3, help="timed forward + backward passes in part 2 (median)")
     parser.add_argument("--skip-llama-8b", action="store_true", help="leave out part 3")
     parser.add_argument("--json", default=None, help="write every figure to this file")
