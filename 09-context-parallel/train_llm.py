@@ -726,11 +726,12 @@ def attention_block(query, key, value, scale, causal):
     """softmax(query key^T x scale) value for one block of queries and keys, and each query's log-sum-exp.
 
     NOTE: plain matrix products in fp32, so that the split is exact and runs on any device: the block's scores
-    (queries x keys of one rank) exist only inside this call and its backward's recomputation, never kept.
+    (queries x keys of one rank) exist only inside this call and its backward's recomputation, never kept, and
+    are turned into probabilities in place: one block-sized tensor at a time.
     """
     scores = block_scores(query, key, scale, causal)
     lse = scores.logsumexp(-1, keepdim=True)
-    output = torch.exp(scores - lse) @ value.float()
+    output = scores.sub_(lse).exp_() @ value.float()
     return output.view(query.shape), lse.view(query.shape[:-1])
 
 
@@ -738,11 +739,12 @@ def attention_block_backward(grad_output, query, key, value, lse, delta, scale, 
     """The gradients of one block's queries, keys and values, from the final output's log-sum-exp and delta."""
     batch, kv_heads, rows = key.shape[0], key.shape[1], query.shape[1] // key.shape[1] * query.shape[2]
     # NOTE: the final log-sum-exp turns each block's scores into the block's share of the whole softmax.
-    probabilities = torch.exp(block_scores(query, key, scale, causal) - lse.reshape(batch, kv_heads, rows, 1))
+    probabilities = block_scores(query, key, scale, causal).sub_(lse.reshape(batch, kv_heads, rows, 1)).exp_()
     grad_output = grad_output.reshape(batch, kv_heads, rows, -1)
     grad_value = probabilities.transpose(-1, -2) @ grad_output
-    grad_probabilities = grad_output @ value.float().transpose(-1, -2)
-    grad_scores = probabilities * (grad_probabilities - delta.reshape(batch, kv_heads, rows, 1))
+    # NOTE: the softmax's backward, in place on the gradient of the probabilities: two block-sized tensors at most.
+    grad_scores = (grad_output @ value.float().transpose(-1, -2)).sub_(delta.reshape(batch, kv_heads, rows, 1))
+    grad_scores.mul_(probabilities)
     grad_query = (grad_scores @ key.float() * scale).view(query.shape)
     grad_key = grad_scores.transpose(-1, -2) @ query.float().reshape(batch, kv_heads, rows, -1) * scale
     return grad_query, grad_key, grad_value
@@ -757,10 +759,11 @@ def block_scores(query, key, scale, causal):
     batch, heads, num_queries, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     grouped_query = query.float().reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)
-    scores = grouped_query @ key.float().transpose(-1, -2) * scale
+    scores = grouped_query @ key.float().transpose(-1, -2)
+    scores.mul_(scale)
     if causal:
         future = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).triu(1)
-        scores = scores.masked_fill(future.repeat(heads // kv_heads, 1), float("-inf"))
+        scores.masked_fill_(future.repeat(heads // kv_heads, 1), float("-inf"))
     return scores
 
 
