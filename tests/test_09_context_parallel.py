@@ -233,6 +233,14 @@ def test_memory_per_rank_falls_as_one_over_cp_and_load_balancing_evens_the_work(
         # Unbalanced: rank i scores its own chunk's triangle and i whole chunks before it: 2i + 1 halves.
         chunk = 1024 // cp_size
         assert unbalanced == [rank * chunk * chunk + chunk * (chunk + 1) // 2 for rank in range(cp_size)]
+    # Llama-3.1-8B on the meta device (the README's table): 7 MB per token, and per GPU exactly the cp-th part.
+    llama_8b = figures["llama_8b_bytes"]
+    print("Llama-3.1-8B activations per GPU (GB): " + ", ".join(f"cp {key.replace('/', ' at ')} tokens: "
+                                                                f"{value / 1e9:.1f}" for key, value in llama_8b.items()))
+    assert 6.5e6 <= llama_8b["1/8192"] / 8192 <= 7.5e6
+    for seq_length in (8192, 32768, 131072):
+        for cp_size in (8, 16):
+            assert abs(llama_8b[f"{cp_size}/{seq_length}"] * cp_size / llama_8b[f"1/{seq_length}"] - 1) <= 1e-3
 
 
 def readme_text():

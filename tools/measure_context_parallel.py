@@ -7,11 +7,11 @@
    backward pass, counted with saved-tensor hooks (each storage once; the weights, which are not activations, left
    out). That is the activation memory at its peak, the end of forward. Cut with the chapter's own
    get_model_inputs(), attention by the chapter's ring (or --form all-to-all).
-2. Ring attention's work per rank, with load balancing on and off, for cp 2 and 4: the attention scores each rank
-   computes in one forward pass of one attention layer (query-key pairs, from the blocks it computes: exact), the
-   milliseconds it spends computing them in forward and backward (the chapter's attention_block() and
-   attention_block_backward(), timed), and the wall-clock time of the whole forward and backward, which waits for
-   the slowest rank.
+2. Ring attention's work per rank, with load balancing on and off, for cp 2 and 4: the query-key pairs each rank
+   scores in one forward pass of one attention layer (counted in a real ring over the processes: exact), and the
+   milliseconds each rank's blocks take to compute, forward and backward (the chapter's visible_block(),
+   attention_block() and attention_block_backward(), replayed one rank after the other in one process, so that the
+   ranks do not compete for the CPU's cores: the ring as a whole waits for the slowest rank).
 3. Llama-3.1-8B's activations per GPU at 8K, 32K and 128K tokens, for cp 1, 8 and 16: the same saved-tensor count,
    on the meta device (shapes and dtypes, no memory and no computation: any size "runs" in seconds), in bf16 as FSDP's
    mixed precision computes, with attention keeping what FlashAttention keeps (queries, keys, values, output and
@@ -43,7 +43,7 @@ def main():
     parser.add_argument("--seq-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     parser.add_argument("--form", choices=["ring", "all-to-all"], default="ring", help="attention for part 1")
     parser.add_argument("--attention-seq-length", type=int, default=4096, help="tokens per sequence in part 2")
-    parser.add_argument("--repeats", type=int, default=3, help="timed forward + backward passes in part 2 (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes of each rank's blocks in part 2 (median)")
     parser.add_argument("--skip-llama-8b", action="store_true", help="leave out part 3")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     args = parser.parse_args()
@@ -63,10 +63,12 @@ def main():
     for cp_size in [size for size in cp_sizes if size > 1]:
         mesh = chapter.get_device_mesh(torch.device("cpu"), world_size, cp_size)
         for load_balance in (True, False):
-            figures = attention_work(chapter, mesh["cp"], load_balance, args.attention_seq_length, args.repeats)
+            pairs = score_pairs(chapter, mesh["cp"], load_balance, args.attention_seq_length)
             # NOTE: cp group 0 (ranks 0 .. cp_size - 1) speaks for all: every group does the same.
-            gathered = {key: all_ranks(value)[:cp_size] for key, value in figures.items()}
-            work[f"{cp_size}/{'on' if load_balance else 'off'}"] = gathered
+            work[f"{cp_size}/{'on' if load_balance else 'off'}"] = {"score_pairs": all_ranks(pairs)[:cp_size]}
+            if dist.get_rank() == 0:
+                work[f"{cp_size}/{'on' if load_balance else 'off'}"]["compute_ms"] = replayed_compute_ms(
+                    chapter, cp_size, load_balance, args.attention_seq_length, args.repeats)
 
     llama_8b = {} if args.skip_llama_8b or dist.get_rank() != 0 else llama_8b_activation_bytes()
 
@@ -122,50 +124,60 @@ def activation_bytes(chapter, mesh, form, seq_length):
     return sum(storages.values())
 
 
-def attention_work(chapter, cp_mesh, load_balance, seq_length, repeats):
-    """One attention layer of the tiny Llama's shape (8 query heads, 4 key/value heads of 32), batch 1, ring form."""
+def attention_inputs(seq_length, cp_size, seed):
+    """One attention layer's queries, keys and values of one rank, the tiny Llama's shape, batch 1."""
     config = AutoConfig.from_pretrained(REPO_ROOT / "data" / "tiny-llama")
-    tokens = seq_length // cp_mesh.size()
-    generator = torch.Generator().manual_seed(dist.get_rank())
+    tokens = seq_length // cp_size
+    generator = torch.Generator().manual_seed(seed)
     query = torch.randn(1, config.num_attention_heads, tokens, config.head_dim, generator=generator)
     key, value = (torch.randn(1, config.num_key_value_heads, tokens, config.head_dim, generator=generator)
                   for _ in range(2))
-    counters = {"score_pairs": 0, "compute_seconds": 0.0}
-    original_forward, original_backward = chapter.attention_block, chapter.attention_block_backward
+    return query, key, value, config.head_dim ** -0.5
 
-    def timed(function, count_pairs):
-        def wrapper(*args, **kwargs):
-            started = time.perf_counter()
-            result = function(*args, **kwargs)
-            counters["compute_seconds"] += time.perf_counter() - started
-            if count_pairs:
-                block_query, block_key, causal = args[0], args[1], args[4]
-                pairs = block_query.shape[2] * block_key.shape[2]
-                counters["score_pairs"] += (pairs + block_query.shape[2]) // 2 if causal else pairs
-            return result
-        return wrapper
 
-    chapter.attention_block = timed(original_forward, True)
-    chapter.attention_block_backward = timed(original_backward, False)
-    name = chapter.register_context_parallel_attention("ring", cp_mesh, load_balance)
-    attention = ALL_ATTENTION_FUNCTIONS[name]
-    compute_ms, wall_ms = [], []
+def score_pairs(chapter, cp_mesh, load_balance, seq_length):
+    """The query-key pairs this rank scores in the forward pass of the chapter's ring (a real one, over cp_mesh)."""
+    query, key, value, scale = attention_inputs(seq_length, cp_mesh.size(), dist.get_rank())
+    pairs = 0
+    original = chapter.attention_block
+
+    def counted(block_query, block_key, block_value, block_scale, causal):
+        nonlocal pairs
+        rows, columns = block_query.shape[2], block_key.shape[2]
+        pairs += rows * (rows + 1) // 2 if causal else rows * columns
+        return original(block_query, block_key, block_value, block_scale, causal)
+
+    chapter.attention_block = counted
     try:
-        for _ in range(repeats + 1):
-            counters.update(score_pairs=0, compute_seconds=0.0)
-            q, k, v = (tensor.clone().requires_grad_() for tensor in (query, key, value))
-            dist.barrier()
-            started = time.perf_counter()
-            output, _ = attention(None, q, k, v, None, scaling=config.head_dim ** -0.5)
-            output.sum().backward()
-            dist.barrier()
-            wall_ms.append((time.perf_counter() - started) * 1000)
-            compute_ms.append(counters["compute_seconds"] * 1000)
+        name = chapter.register_context_parallel_attention("ring", cp_mesh, load_balance)
+        inputs = [tensor.requires_grad_() for tensor in (query, key, value)]
+        output, _ = ALL_ATTENTION_FUNCTIONS[name](None, *inputs, None, scaling=scale)
+        output.sum().backward()
     finally:
-        chapter.attention_block, chapter.attention_block_backward = original_forward, original_backward
-    # NOTE: the first pass warms up (allocations, thread pools); the median of the others is reported.
-    return {"score_pairs": counters["score_pairs"], "compute_ms": statistics.median(compute_ms[1:]),
-            "wall_ms": statistics.median(wall_ms[1:])}
+        chapter.attention_block = original
+    return pairs
+
+
+def replayed_compute_ms(chapter, cp_size, load_balance, seq_length, repeats):
+    """Milliseconds of each cp rank's block computations, forward and backward, one rank after the other."""
+    query, key, value, scale = attention_inputs(seq_length, cp_size, 0)
+    per_rank = []
+    for rank in range(cp_size):
+        blocks = [chapter.visible_block(rank, (rank - step) % cp_size, query.shape[2], load_balance)
+                  for step in range(cp_size)]
+        times = []
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            for rows, columns, causal in filter(None, blocks):
+                block_query, block_key, block_value = query[:, :, rows], key[:, :, columns], value[:, :, columns]
+                output, lse = chapter.attention_block(block_query, block_key, block_value, scale, causal)
+                delta = (output * output).sum(-1)
+                chapter.attention_block_backward(output, block_query, block_key, block_value, lse, delta, scale,
+                                                 causal)
+            times.append((time.perf_counter() - started) * 1000)
+        # NOTE: the first pass warms up (allocations, thread pools); the median of the others is reported.
+        per_rank.append(statistics.median(times[1:]))
+    return per_rank
 
 
 # Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B on the Hugging Face hub, a gated download), the values that
@@ -233,15 +245,19 @@ def print_tables(memory, work, llama_8b, cp_sizes, args):
         values = [memory[f"{size}/{seq_length}"] for size in cp_sizes]
         print(f"| {seq_length:,} | " + " | ".join(f"{value / 1e6:.1f}" for value in values) + " | "
               + " | ".join(f"{value / values[0]:.3f}" for value in values[1:]) + " |")
-    print(f"\nRing attention, one layer, {args.attention_seq_length:,} tokens, forward + backward, per rank of a cp "
-          "group: query-key pairs scored in forward (thousands) | milliseconds computing | wall-clock milliseconds\n")
-    print("| cp | load balancing | " + " | ".join(f"rank {rank}" for rank in range(max(cp_sizes))) + " | wall ms |")
+    print(f"\nRing attention, one layer, {args.attention_seq_length:,} tokens, per rank of a cp group: query-key "
+          "pairs scored in forward (thousands), milliseconds computing its blocks forward and backward; the ring "
+          "waits for the slowest rank\n")
+    print("| cp | load balancing | " + " | ".join(f"rank {rank}" for rank in range(max(cp_sizes)))
+          + " | slowest rank / mean |")
     print("| --- " * (3 + max(cp_sizes)) + "|")
     for key, figures in work.items():
         cp_size, balance = key.split("/")
-        cells = [f"{pairs / 1e3:,.0f}k, {ms:.0f} ms" for pairs, ms in zip(figures["score_pairs"], figures["compute_ms"])]
+        cells = [f"{pairs / 1e3:,.0f}k, {ms:,.0f} ms" for pairs, ms in zip(figures["score_pairs"],
+                                                                          figures["compute_ms"])]
         cells += [""] * (max(cp_sizes) - len(cells))
-        print(f"| {cp_size} | {balance} | " + " | ".join(cells) + f" | {max(figures['wall_ms']):.0f} |")
+        slowest = max(figures["compute_ms"]) / statistics.mean(figures["compute_ms"])
+        print(f"| {cp_size} | {balance} | " + " | ".join(cells) + f" | {slowest:.2f} |")
     if llama_8b:
         print("\nLlama-3.1-8B, activations kept per GPU after one forward pass, batch 1, bf16, no activation "
               "checkpointing (GB)\n")
