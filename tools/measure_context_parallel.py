@@ -16,7 +16,7 @@
    on the meta device (shapes and dtypes, no memory and no computation: any size "runs" in seconds), in bf16 as FSDP's
    mixed precision computes, with attention keeping what FlashAttention keeps (queries, keys, values, output and
    log-sum-exp, no scores). A rank of a cp group keeps what a sequence of seq_length / cp tokens keeps (part 1 shows
-   it to the byte), so each entry is one forward pass of seq_length / cp tokens.
+   it to within a few bytes), so each entry is one forward pass of seq_length / cp tokens.
 
 Prints three Markdown tables, and with --json a file with every figure.
 """
