@@ -121,7 +121,7 @@ def main():
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
     checkpoint_dir = find_latest_checkpoint(experiment_dir)
     if checkpoint_dir is not None:
-        train_state = load_checkpoint(checkpoint_dir, model.module, optimizer, lr_scheduler, config)
+        train_state = load_checkpoint(checkpoint_dir, model.module, optimizer, lr_scheduler, config, device)
         LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
 
     # 5. Experiment tracking: wandb (online if you are logged in, offline otherwise) and metrics.jsonl, on rank 0.
@@ -594,12 +594,15 @@ def write_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state
     LOGGER.info(f"saved {final_dir}")
 
 
-def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, device):
     check_checkpoint_matches_model(checkpoint_dir, config)
     # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
-    model.load_state_dict(torch.load(checkpoint_dir / "model.pt", weights_only=True))
-    optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", weights_only=True))
-    train_state = torch.load(checkpoint_dir / "train_state.pt", weights_only=True)
+    # Without map_location, torch.load puts every tensor back on the device it was saved from: for a checkpoint
+    # written by rank 0 of a GPU job, cuda:0, so all 8 processes of a node would load the whole model and optimizer
+    # state onto GPU 0. The weights and moments go to this process's device, the RNG states (CPU tensors) to the CPU.
+    model.load_state_dict(torch.load(checkpoint_dir / "model.pt", map_location=device, weights_only=True))
+    optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True))
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state

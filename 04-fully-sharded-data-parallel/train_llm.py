@@ -645,7 +645,8 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
-    train_state = torch.load(checkpoint_dir / "train_state.pt", weights_only=True)
+    # map_location="cpu" whatever device wrote the file: it holds the RNG states, which must be CPU tensors.
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state

@@ -157,8 +157,8 @@ def largest_weight_difference(checkpoint_a, checkpoint_b):
     """The largest absolute difference between the weights (model.pt) of two checkpoints of the same model."""
     import torch
 
-    weights_a = torch.load(Path(checkpoint_a) / "model.pt", weights_only=True)
-    weights_b = torch.load(Path(checkpoint_b) / "model.pt", weights_only=True)
+    weights_a = torch.load(Path(checkpoint_a) / "model.pt", map_location="cpu", weights_only=True)
+    weights_b = torch.load(Path(checkpoint_b) / "model.pt", map_location="cpu", weights_only=True)
     assert weights_a.keys() == weights_b.keys(), f"different tensors: {sorted(weights_a.keys() ^ weights_b.keys())}"
     return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
 
@@ -243,10 +243,10 @@ def checkpoint_weights(checkpoint_dir, scratch_dir):
 
     checkpoint_dir = Path(checkpoint_dir)
     if (checkpoint_dir / "model.pt").exists():
-        return torch.load(checkpoint_dir / "model.pt", weights_only=True)
+        return torch.load(checkpoint_dir / "model.pt", map_location="cpu", weights_only=True)
     gathered = Path(scratch_dir) / f"{checkpoint_dir.parent.name}-{checkpoint_dir.name}.pt"
     dcp_to_torch_save(checkpoint_dir, gathered)
-    return torch.load(gathered, weights_only=True)["model"]
+    return torch.load(gathered, map_location="cpu", weights_only=True)["model"]
 
 
 def train_with_a_restart(chapter, env, workdir, *args, stop_after, nproc=None, experiment="resumed"):

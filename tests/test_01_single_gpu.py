@@ -54,6 +54,21 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(env, tmp_path):
     assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
 
 
+def test_a_checkpoint_saved_on_gpu_0_resumes_on_this_device(env, tmp_path, monkeypatch):
+    # A GPU run's checkpoint: every tensor of model.pt and optimizer.pt tagged cuda:0 when it is written, as rank 0
+    # of a GPU job writes them. torch.load restores a tensor to the device of its tag unless told otherwise: on a
+    # GPU node every rank would fill GPU 0, and here, with no GPU at all, the load fails.
+    _, experiment = train("01", env, tmp_path, "--max-steps", "4", "--exit-after-steps", "2")
+    monkeypatch.setattr(torch.serialization, "_package_registry", list(torch.serialization._package_registry))
+    torch.serialization.register_package(0, lambda storage: "cuda:0", lambda storage, location: None)
+    for name in ["model.pt", "optimizer.pt"]:
+        path = experiment / "checkpoint-00000002" / name
+        torch.save(torch.load(path, map_location="cpu", weights_only=True), path)
+    assert b"cuda:0" in (experiment / "checkpoint-00000002" / "model.pt").read_bytes()
+    result, _ = train("01", env, tmp_path, "--max-steps", "4")
+    assert "resumed from" in result.stdout and "done: step 4 of 4" in result.stdout
+
+
 def make_incompatible_model(tmp_path):
     model_dir = tmp_path / "wider-llama"
     shutil.copytree(TINY_MODEL, model_dir)
@@ -98,8 +113,8 @@ def test_a_checkpoint_of_another_model_gets_a_one_line_error(env, tmp_path):
 
 
 def assert_same_weights(checkpoint_a, checkpoint_b, tolerance):
-    weights_a = torch.load(checkpoint_a / "model.pt", weights_only=True)
-    weights_b = torch.load(checkpoint_b / "model.pt", weights_only=True)
+    weights_a = torch.load(checkpoint_a / "model.pt", map_location="cpu", weights_only=True)
+    weights_b = torch.load(checkpoint_b / "model.pt", map_location="cpu", weights_only=True)
     assert weights_a.keys() == weights_b.keys()
     largest = max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
     assert largest <= tolerance, f"weights differ by {largest}"

@@ -83,9 +83,9 @@ def test_resume_is_exact_at_world_size_2(env, runs, tmp_path, case):
 def test_a_zero1_checkpoint_holds_the_full_optimizer_state(env, runs):
     plain_result, plain = parity_run(runs, env, "ddp")
     zero1_result, zero1 = parity_run(runs, env, "ddp-zero1")
-    weights = list(torch.load(zero1 / FINAL_CHECKPOINT / "model.pt", weights_only=True).values())
-    plain_state = torch.load(plain / FINAL_CHECKPOINT / "optimizer.pt", weights_only=True)
-    zero1_state = torch.load(zero1 / FINAL_CHECKPOINT / "optimizer.pt", weights_only=True)
+    weights = list(torch.load(zero1 / FINAL_CHECKPOINT / "model.pt", map_location="cpu", weights_only=True).values())
+    plain_state = torch.load(plain / FINAL_CHECKPOINT / "optimizer.pt", map_location="cpu", weights_only=True)
+    zero1_state = torch.load(zero1 / FINAL_CHECKPOINT / "optimizer.pt", map_location="cpu", weights_only=True)
     # One entry per parameter, in the model's order and with its shape: what a plain AdamW, at any world size, loads.
     assert sorted(zero1_state["state"]) == list(range(len(weights)))
     assert [len(group["params"]) for group in zero1_state["param_groups"]] == [len(weights)]

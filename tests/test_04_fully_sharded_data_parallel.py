@@ -199,10 +199,11 @@ def test_convert_to_hf_gives_the_model_fsdp_trained(runs, env, tmp_path):
     dcp_to_torch_save(checkpoint_dir, tmp_path / "checkpoint.pt")
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint_dir / "model_config.json"),
                                                  dtype=torch.float32)
-    reference.load_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"])
+    reference.load_state_dict(torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)["model"])
     _, single = chapter01(runs, env, 4)
     single_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL), dtype=torch.float32)
-    single_model.load_state_dict(torch.load(single / "checkpoint-00000010" / "model.pt", weights_only=True))
+    single_model.load_state_dict(torch.load(single / "checkpoint-00000010" / "model.pt", map_location="cpu",
+                                            weights_only=True))
     difference = (converted_logits - logits(reference)).abs().max().item()
     difference_01 = (converted_logits - logits(single_model)).abs().max().item()
     print(f"converted vs DCP checkpoint: largest logit difference {difference:.2e}; "

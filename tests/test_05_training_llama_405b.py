@@ -244,7 +244,7 @@ def test_resume_is_exact_and_takes_precedence_over_the_pretrained_weights(runs, 
 def final_weights(experiment, path):
     """The weights of an experiment's step-6 checkpoint, read by torch's own DCP converter."""
     dcp_to_torch_save(experiment / "checkpoint-00000006", path)
-    return torch.load(path, weights_only=True)["model"]
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
 BAD_INPUTS = {
