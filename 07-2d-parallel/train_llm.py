@@ -14,6 +14,7 @@ On 4 nodes of 8 GPUs (see chapter 03's job.sbatch for the launch):
 
 import argparse
 import contextlib
+import datetime
 import importlib.util
 import json
 import logging
@@ -65,13 +66,16 @@ def main():
     LOGGER.info(f"started by {launcher} on {socket.gethostname()}, "
                 f"rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
 
+    # NOTE: how long a collective waits for the other ranks before the job fails. The default depends on the
+    # backend string (10 minutes for "nccl", 30 for "gloo" and for chapter 04's "cuda:nccl,cpu:gloo"), so say it.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", timeout=timeout)
     dtype = get_compute_dtype(args.dtype, device)
     LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
     experiment_dir = Path(args.save_dir) / args.experiment_name
@@ -132,7 +136,7 @@ def main():
 
     # 4. Resume: if the experiment directory holds a checkpoint, training continues from it.
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
-    checkpoint_dir = find_latest_checkpoint(experiment_dir)
+    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is not None:
         train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
         LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
@@ -291,6 +295,9 @@ def get_parser():
     parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
                         help="default: online if you are logged in to wandb, offline otherwise")
     parser.add_argument("--wandb-project", default="distributed-training-guide")
+    parser.add_argument("--dist-timeout", type=int, default=600,
+                        help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
+                             "the process group's timeout, the same for every backend")
     parser.add_argument("--rdzv-timeout", type=int, default=300,
                         help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
                              "by srun or mpirun, before giving up")
@@ -300,7 +307,7 @@ def get_parser():
 def parse_args():
     args = get_parser().parse_args()
     for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
-                 "ckpt_freq"]:
+                 "ckpt_freq", "dist_timeout"]:
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -352,7 +359,7 @@ def wait_for_rendezvous(host, port, timeout, rank):
     """Wait until rank 0's rendezvous server accepts connections, or fail with the address that did not answer.
 
     NOTE: without this, a wrong MASTER_ADDR or a closed firewall port leaves every rank retrying silently until the
-    process group's timeout (30 minutes by default).
+    process group's timeout (--dist-timeout, 10 minutes by default).
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -394,12 +401,17 @@ def rank_zero_first():
 
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
     everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
+    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
+    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
+    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
     """
+    waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     if dist.get_rank() != 0:
-        dist.barrier()
+        dist.barrier(group=waiting_group)
     yield
     if dist.get_rank() == 0:
-        dist.barrier()
+        dist.barrier(group=waiting_group)
+    dist.destroy_process_group(waiting_group)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -695,6 +707,18 @@ def find_latest_checkpoint(experiment_dir):
     # NOTE: a checkpoint folder gets its final name only once it is complete, so any "checkpoint-*" is whole.
     checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
     return checkpoints[-1] if checkpoints else None
+
+
+def find_latest_checkpoint_on_rank_zero(experiment_dir):
+    """The latest checkpoint as rank 0 finds it, on every rank.
+
+    NOTE: on a shared file system (NFS, Lustre) a node's directory listing can be tens of seconds old, and a
+    restarted job lists the folder seconds after the last save: ranks that each looked for themselves could resume
+    from different checkpoints, or from one just deleted. One rank looks, and every rank takes its answer.
+    """
+    choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
 
 
 def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):

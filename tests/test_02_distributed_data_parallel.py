@@ -80,6 +80,19 @@ def test_resume_is_exact_at_world_size_2(env, runs, tmp_path, case):
     assert weight_difference == 0.0
 
 
+def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(env, runs, tmp_path):
+    # Rank 1's directory listing is stale (fault injection): it shows checkpoint-00000002, deleted when
+    # checkpoint-00000004 was saved, and not checkpoint-00000004, as a shared file system's cached listing can.
+    _, straight = parity_run(runs, env, "ddp")
+    args = ["--max-steps", STEPS, *PARITY_CASES["ddp"], *NO_WANDB, "--ckpt-freq", "2"]
+    train("02", env, tmp_path, *args, "--exit-after-steps", "4", nproc=2)
+    stale_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_STALE_LISTING": "checkpoint-00000002", "FAULT_RANK": "1"}
+    result, resumed = train("02", stale_env, tmp_path, *args, nproc=2)
+    for rank in [0, 1]:
+        assert f"[rank {rank}] INFO resumed from {resumed / 'checkpoint-00000004'} at step 4" in result.stdout
+    assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
+
+
 def test_a_zero1_checkpoint_holds_the_full_optimizer_state(env, runs):
     plain_result, plain = parity_run(runs, env, "ddp")
     zero1_result, zero1 = parity_run(runs, env, "ddp-zero1")
@@ -116,6 +129,19 @@ def test_one_failing_rank_ends_the_job_and_its_error_is_reported(env, tmp_path):
     seconds_to_stop = ended - float(message.group(1))
     print(f"\na rank raised an error: torchrun exited {result.returncode}, {seconds_to_stop:.1f}s after the error")
     assert seconds_to_stop < 60
+
+
+def test_a_preparation_longer_than_the_process_group_timeout_completes(env, tmp_path):
+    # Rank 0 prepares the data for 15 s (a sleep injected before it loads the tokenized data set) while rank 1 waits
+    # in rank_zero_first(), under a process-group timeout of 5 s: that wait is on a gloo group with its own timeout.
+    slow_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_SLEEP_ON_CALL": "datasets.load_from_disk:15", "FAULT_RANK": "0"}
+    started = time.monotonic()
+    result, experiment = train("02", slow_env, tmp_path, "--max-steps", "2", "--batch-size", "2", "--dist-timeout", "5",
+                               *NO_WANDB, nproc=2, timeout=240)
+    seconds = time.monotonic() - started
+    assert "injected fault: rank 0 sleeps 15s before datasets.load_from_disk" in result.stderr
+    assert [record["step"] for record in read_metrics(experiment)] == [1, 2]
+    print(f"\n--dist-timeout 5 and 15 s of preparation on rank 0: the job completed in {seconds:.0f}s")
 
 
 def readme_cpu_command():

@@ -113,6 +113,20 @@ def test_resume_at_the_same_world_size_is_exact_and_survives_a_crash_during_a_sa
     assert difference <= 1e-6
 
 
+def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(runs, env, tmp_path):
+    # Rank 1's directory listing is stale (fault injection): it shows checkpoint-00000002, a folder deleted since,
+    # and not checkpoint-00000004, as a shared file system's cached listing can. Every rank must read the shards of
+    # the checkpoint rank 0 found.
+    _, straight = fsdp(runs, env, 2)
+    _, source = interrupted(runs, env)
+    shutil.copytree(source, tmp_path / "outputs" / "stale")
+    stale_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_STALE_LISTING": "checkpoint-00000002", "FAULT_RANK": "1"}
+    result, resumed = train("04", stale_env, tmp_path, *TEN_STEPS, "--batch-size", "2", nproc=2, experiment="stale")
+    for rank in [0, 1]:
+        assert f"[rank {rank}] INFO resumed from {resumed / 'checkpoint-00000004'} at step 4" in result.stdout
+    assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
+
+
 def test_resume_on_4_ranks_with_the_same_global_batch_continues_exactly(runs, resumed_runs, env):
     # The checkpoint of 2 ranks x 2 samples, resharded on load to 4 ranks x 1 sample: the same global batches.
     _, straight = fsdp(runs, env, 2)

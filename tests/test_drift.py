@@ -21,7 +21,8 @@ LINEAGE = {
     ("01", "02"): {
         "main": "one process per GPU: process group, DistributedDataParallel, ZeRO-1, rank-zero-first preparation, "
                 "the loss averaged over ranks, and wandb, metrics and the progress bar on rank 0 only",
-        "get_parser": "the --zero1 option",
+        "get_parser": "the --zero1 option, and --dist-timeout, the process group's timeout",
+        "parse_args": "--dist-timeout must be at least 1 second too",
         "setup_logging": "every log line says which rank wrote it",
         "get_dataloader": "DistributedSampler: each rank reads its own share of each global batch",
         "save_checkpoint": "rank 0 writes while the others wait at a barrier, ZeRO-1 gathers the optimizer state "
