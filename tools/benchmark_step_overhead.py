@@ -53,7 +53,7 @@ def bare_step_seconds(options, warmup_steps, steps):
     with device:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=options.attn_implementation,
                                                  dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     input_ids = torch.randint(0, config.vocab_size, (options.batch_size, options.seq_length), device=device)
     for step in range(warmup_steps + steps):
         if step == warmup_steps:
