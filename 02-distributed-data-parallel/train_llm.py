@@ -58,12 +58,11 @@ def main():
     # NOTE: how long a collective waits for the other ranks before the job fails. The default depends on the
     # backend string (10 minutes for "nccl", 30 for "gloo" and for chapter 04's "cuda:nccl,cpu:gloo"), so say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    device = get_device(local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
-        device = torch.device("cpu")
         dist.init_process_group(backend="gloo", timeout=timeout)
     dtype = get_compute_dtype(args.dtype, device)
     LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
@@ -157,7 +156,9 @@ def main():
                 with contextlib.nullcontext() if is_last_micro_step else model.no_sync():
                     with timer("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                         # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
-                        loss = model(input_ids=input_ids, labels=input_ids).loss / args.grad_accum
+                        # use_cache=False: no KV cache. Only generation needs one; in training it would keep every
+                        # layer's keys and values alive (twice, for a layer that activation checkpointing recomputes).
+                        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
                     with timer("backward"):
                         loss.backward()
                 # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
@@ -295,6 +296,22 @@ def setup_logging(rank):
         level=logging.INFO,
         stream=sys.stdout,
     )
+
+
+def get_device(local_rank):
+    """This process's GPU, or the CPU.
+
+    NOTE: a launcher that binds one GPU to each process (Slurm's --gpus-per-task=1, a site's GPU binding) leaves
+    every process seeing a single GPU, cuda:0, whatever its local rank: cuda:LOCAL_RANK would be an invalid device.
+    The local rank picks the GPU only where the process sees several.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    num_gpus = torch.cuda.device_count()
+    if num_gpus > 1 and local_rank >= num_gpus:
+        fail(f"local rank {local_rank} but this process sees only {num_gpus} GPUs (CUDA_VISIBLE_DEVICES="
+             f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per GPU on each node")
+    return torch.device("cuda", local_rank if num_gpus > 1 else 0)
 
 
 def get_compute_dtype(name, device):
@@ -536,6 +553,10 @@ def write_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state
         temporary_dir / "train_state.pt",
     )
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
+    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
+    # which saves that tokenizer next to the weights.
+    model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
+    (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(temporary_dir, final_dir)
     for old_dir in experiment_dir.glob("checkpoint-*"):
@@ -569,14 +590,16 @@ def check_checkpoint_matches_model(checkpoint_dir, config):
              "use another --experiment-name or --save-dir, or the model it was trained with")
 
 
+# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
+# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
 def get_rng_state():
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(rng_state):
     torch.set_rng_state(rng_state["cpu"])
-    if rng_state["cuda"]:
-        torch.cuda.set_rng_state_all(rng_state["cuda"])
+    if torch.is_tensor(rng_state["cuda"]) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng_state["cuda"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -612,7 +635,8 @@ def get_flops_per_token(model, config, seq_length):
     if not config.tie_word_embeddings:
         num_params -= model.get_input_embeddings().weight.numel()
     num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = config.hidden_size // num_heads
+    # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
 
 
@@ -624,6 +648,7 @@ PEAK_BF16_FLOPS = {
     "H100": 989e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "A10G": 70e12,
     "B200": 2250e12,
@@ -635,9 +660,10 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    for gpu, flops in PEAK_BF16_FLOPS.items():
+    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40", "H100 NVL" contains "H100".
+    for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
-            return flops
+            return PEAK_BF16_FLOPS[gpu]
     LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
     return None
 

@@ -14,6 +14,7 @@
 #                  405B command: the same losses
 #   flash          --attn-implementation flash_attention_2 if flash-attn is installed, else its one-line error
 #   chapter-04     chapter 04 with --cpu-offload (NCCL for GPU tensors, gloo for the offloaded CPU ones)
+#   one-gpu-per-task  local rank 1 in a process that sees one GPU (Slurm's --gpus-per-task=1) trains on cuda:0
 # Prints one line per case and a summary; logs and metrics stay in OUTPUT_DIR (default: gpu-check).
 set -uo pipefail
 
@@ -81,6 +82,12 @@ fi
 
 train 04-fully-sharded-data-parallel chapter-04 --cpu-offload --max-steps 2
 report chapter-04 $? "chapter 04 trains with --cpu-offload"
+
+# One visible GPU per process, as under Slurm's --gpus-per-task=1: local rank 1, but only GPU 0 to see.
+CUDA_VISIBLE_DEVICES=0 RANK=0 LOCAL_RANK=1 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29531 timeout 300 \
+    python $CH05/train_llm.py "${ARGS[@]}" -e one-gpu-per-task --max-steps 2 > "$OUT_DIR/one-gpu-per-task.log" 2>&1 \
+    && grep -q "(local rank 1), device: cuda:0" "$OUT_DIR/one-gpu-per-task.log"
+report one-gpu-per-task $? "local rank 1 with one visible GPU trains on cuda:0"
 
 if [ $FAILED = 0 ]; then echo "all GPU checks passed"; else echo "some GPU checks FAILED"; fi
 exit $FAILED

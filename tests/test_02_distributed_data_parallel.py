@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_seconds, largest_weight_difference, max_difference,
-                     read_losses, read_metrics, run, script, train, train_with_a_restart)
+from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_seconds, largest_weight_difference, load_script,
+                     max_difference, read_losses, read_metrics, run, script, train, train_with_a_restart)
 
 FAULTS = REPO / "tests" / "faults"
 README = REPO / CHAPTERS["02"] / "README.md"
@@ -142,6 +142,27 @@ def test_a_preparation_longer_than_the_process_group_timeout_completes(env, tmp_
     assert "injected fault: rank 0 sleeps 15s before datasets.load_from_disk" in result.stderr
     assert [record["step"] for record in read_metrics(experiment)] == [1, 2]
     print(f"\n--dist-timeout 5 and 15 s of preparation on rank 0: the job completed in {seconds:.0f}s")
+
+
+# (GPUs this process sees, its local rank) -> its device. One visible GPU is what Slurm's --gpus-per-task=1 gives each.
+DEVICE_CHOICES = {"no GPU": (0, 3, "cpu"), "one GPU per task": (1, 3, "cuda:0"), "all GPUs of the node": (8, 3, "cuda:3")}
+
+
+@pytest.mark.parametrize("case", DEVICE_CHOICES)
+def test_each_process_uses_a_gpu_it_sees(monkeypatch, case):
+    visible, local_rank, expected = DEVICE_CHOICES[case]
+    chapter = load_script("02")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert chapter.get_device(local_rank) == torch.device(expected)
+
+
+def test_more_processes_than_visible_gpus_get_a_one_line_error(monkeypatch):
+    chapter = load_script("02")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit, match=r"^error: local rank 3 but this process sees only 2 GPUs"):
+        chapter.get_device(3)
 
 
 def readme_cpu_command():

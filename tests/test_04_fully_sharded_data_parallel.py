@@ -6,6 +6,7 @@ The runs several tests compare against are made once per module (SharedRuns). Al
 learning-rate schedule depends on --max-steps, so runs compare only at the same --max-steps.
 """
 
+import json
 import shutil
 import sys
 
@@ -223,6 +224,27 @@ def test_convert_to_hf_gives_the_model_fsdp_trained(runs, env, tmp_path):
     print(f"converted vs DCP checkpoint: largest logit difference {difference:.2e}; "
           f"vs chapter 01 trained alike: {difference_01:.2e}")
     assert difference <= 1e-5 and difference_01 <= 1e-3
+
+
+def test_convert_to_hf_saves_the_tokenizer_of_the_model_the_run_was_trained_with(runs, env, tmp_path):
+    # Every checkpoint records its run's -m. Pointed at a copy of the tiny model whose tokenizer is marked
+    # (model_max_length 1234), the record is where the tool takes the tokenizer from when -m is not given.
+    _, experiment = fsdp(runs, env, 2)
+    checkpoint = experiment / "checkpoint-00000010"
+    assert json.loads((checkpoint / "model_source.json").read_text()) == {"model_name": str(TINY_MODEL)}
+    marked_model = tmp_path / "marked-llama"
+    shutil.copytree(TINY_MODEL, marked_model)
+    tokenizer_config = json.loads((marked_model / "tokenizer_config.json").read_text())
+    (marked_model / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "model_max_length": 1234}))
+    copy = tmp_path / "checkpoint-00000010"
+    shutil.copytree(checkpoint, copy)
+    (copy / "model_source.json").write_text(json.dumps({"model_name": str(marked_model)}))
+    run([sys.executable, CONVERT, copy, "-o", tmp_path / "converted"], env, tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path / "converted").model_max_length == 1234
+    # A checkpoint that does not say (one written before the record existed) needs -m.
+    (copy / "model_source.json").unlink()
+    result = run([sys.executable, CONVERT, copy, "-o", tmp_path / "again"], env, tmp_path, check=False)
+    assert result.returncode == 1 and "no model_source.json" in error_line(result) and "pass -m" in error_line(result)
 
 
 @pytest.mark.parametrize("case", ["missing", "incomplete"])

@@ -44,8 +44,7 @@ LINEAGE = {
         "load_checkpoint": "each rank reads its own shards, resharding to the current world size",
     },
     ("04", "05"): {
-        "main": "pretrained weights (from a folder or the hub), activation checkpointing, torch.compile, and no "
-                "KV cache in training",
+        "main": "pretrained weights (from a folder or the hub), activation checkpointing and torch.compile",
         "get_parser": "the options of activation checkpointing and compilation",
         "shard_model": "separate FSDP groups for the embedding and the output head of a 405B model, and prefetching",
         "init_weights": "parameter names without the activation checkpoint wrapper's part",

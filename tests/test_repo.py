@@ -1,5 +1,6 @@
 """Repository-wide checks: every script answers --help, every command in a README points at files that exist
-and passes only flags its script accepts, and every torch.load says where its tensors go."""
+and passes only flags its script accepts, every torch.load says where its tensors go, and no chapter's training
+forward builds a KV cache."""
 
 import ast
 import re
@@ -69,3 +70,15 @@ def test_every_torch_load_names_its_device_and_loads_weights_only():
                 if "map_location" not in keywords or keywords.get("weights_only") != "True":
                     unsafe.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert calls >= 10 and not unsafe, f"torch.load without map_location or weights_only=True: {sorted(unsafe)}"
+
+
+@pytest.mark.parametrize("chapter", EXISTING_CHAPTERS)
+def test_every_training_forward_builds_no_kv_cache(chapter):
+    # NOTE: a Hugging Face model builds a KV cache in every forward pass unless told use_cache=False (the config's
+    # default is True). test_01_single_gpu.py shows it on a real run; this checks every chapter's call of the model.
+    forwards = [node for node in ast.walk(ast.parse(script(chapter).read_text()))
+                if isinstance(node, ast.Call) and any(keyword.arg == "labels" for keyword in node.keywords)]
+    assert forwards, f"no model(..., labels=...) call in {script(chapter).relative_to(REPO)}"
+    for call in forwards:
+        keywords = {keyword.arg: ast.unparse(keyword.value) for keyword in call.keywords}
+        assert keywords.get("use_cache") == "False", f"line {call.lineno}: {ast.unparse(call)}"

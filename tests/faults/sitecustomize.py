@@ -3,7 +3,8 @@
 Python imports this file at start-up when its folder is on PYTHONPATH. Each fault is switched on by a variable:
 
 FAULT_KILL_ON_CALL="torch.save:5"   SIGKILL this process inside the 5th call of torch.save, after that call wrote its
-                                    file: a crash in the middle of writing a checkpoint.
+                                    file: a crash in the middle of writing a checkpoint. A method works too:
+                                    "transformers.cache_utils.DynamicCache.__init__:1" dies when a KV cache is built.
 FAULT_KILL_AFTER_STEPS=3            SIGKILL this process after its 3rd optimizer step, only on rank FAULT_RANK
 FAULT_RANK=1                        (default 0), and only once: the file FAULT_ONCE_FILE is created on the way down,
 FAULT_ONCE_FILE=/tmp/x              so a restarted process trains on.
@@ -18,8 +19,17 @@ if os.environ.get("FAULT_KILL_ON_CALL"):
     import torch  # noqa: F401  (the patched functions live in torch)
 
     target, count = os.environ["FAULT_KILL_ON_CALL"].rsplit(":", 1)
-    module_name, function_name = target.rsplit(".", 1)
-    module = importlib.import_module(module_name)
+    owner_name, function_name = target.rsplit(".", 1)
+    # NOTE: the owner is a module, or a class inside one: import the longest prefix that is a module.
+    owner_path = owner_name.split(".")
+    for split in range(len(owner_path), 0, -1):
+        try:
+            module = importlib.import_module(".".join(owner_path[:split]))
+            break
+        except ImportError:
+            continue
+    for attribute in owner_path[split:]:
+        module = getattr(module, attribute)
     original = getattr(module, function_name)
     calls = [0]
 
