@@ -17,6 +17,7 @@ Llama 3.1 405B on 8 or more nodes of 8 GPUs (see README.md for the download and 
 
 import argparse
 import contextlib
+import fnmatch
 import importlib.util
 import json
 import logging
@@ -26,6 +27,7 @@ import resource
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import uuid
 import zlib
@@ -83,6 +85,7 @@ def main():
     check_sequence_length(args.seq_length, config)
     check_attention_implementation(args.attn_implementation, device)
     check_cpu_offload(args.cpu_offload, device)
+    check_weights_are_safetensors(model_dir)
     # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"
     # in a second on any machine. fully_shard() then replaces every parameter by a DTensor holding this rank's
     # shard, still on meta; to_empty() allocates only those shards on the device; init_weights() fills them.
@@ -414,9 +417,12 @@ def rank_zero_first():
 # 1. The model
 
 # What training needs from a hub repository: the config, the tokenizer and the safetensors weights. Large models'
-# repositories often hold the same weights again in another format (Llama 3.1 405B: original/*.pth, 800 GB more).
+# repositories often hold the same weights again in another format (Llama 3.1 405B: original/*.pth, 800 GB more;
+# Mistral's: consolidated*.safetensors, under Mistral's own names), which is neither downloaded nor read.
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
-SKIPPED_MODEL_FILES = ["original/*"]
+SKIPPED_MODEL_FILES = ["original/*", "consolidated*.safetensors"]
+# Weights saved with torch.save() (pickles: Hugging Face's older format, and Meta's), which this script does not read.
+PICKLED_WEIGHT_FILES = ["pytorch_model*.bin", "pytorch_model*.bin.index.json", "*.pth"]
 
 
 def download_model(model_name):
@@ -484,6 +490,22 @@ def check_cpu_offload(cpu_offload, device):
         fail("--cpu-offload moves GPU memory to the CPU and needs CUDA; leave it out on a machine without a GPU")
 
 
+def check_weights_are_safetensors(model_dir):
+    """Fail if the folder's only weights are pickles: the run would silently train from random weights.
+
+    NOTE: a folder without any weights (the bundled tiny model) is fine: it trains from the seed, and says so.
+    """
+    if find_weight_files(model_dir):
+        return
+    pickled = sorted(path.name for path in Path(model_dir).iterdir()
+                     if any(fnmatch.fnmatch(path.name, pattern) for pattern in PICKLED_WEIGHT_FILES))
+    if pickled:
+        fail(f"{model_dir} holds its weights only as {', '.join(pickled)}, which this script does not read (it would "
+             "train from random weights); convert them to safetensors first: load the folder with transformers' "
+             "from_pretrained() and write it with save_pretrained() (Meta's *.pth: transformers' "
+             "convert_llama_weights_to_hf.py), and pass -m the new folder")
+
+
 def apply_activation_checkpointing(model):
     """Wrap every decoder layer in a checkpoint: its forward keeps only its input, its backward recomputes the rest.
 
@@ -548,8 +570,14 @@ def shard_model(model, dtype, cpu_offload):
         next_layer.set_modules_to_backward_prefetch([layer])
 
 
+def find_weight_files(model_dir):
+    """The folder's safetensors files in the Hugging Face format: those of MODEL_FILES, less SKIPPED_MODEL_FILES."""
+    return sorted(path for path in Path(model_dir).glob("*.safetensors")
+                  if not any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_MODEL_FILES))
+
+
 def has_pretrained_weights(model_dir):
-    return any(Path(model_dir).glob("*.safetensors"))
+    return bool(find_weight_files(model_dir))
 
 
 @torch.no_grad()
@@ -567,14 +595,19 @@ def load_pretrained_weights(model, model_dir):
     if model.config.tie_word_embeddings:
         # NOTE: a tied head is the embedding matrix itself, saved once, as model.embed_tokens.weight.
         del model_state["lm_head.weight"]
-    try:
-        dcp.load(model_state, storage_reader=HuggingFaceStorageReader(model_dir))
-    except dcp.CheckpointException as error:
-        # NOTE: DCP gathers every rank's exception; the first one says what is wrong.
-        cause, _ = next(iter(error.failures.values()))
-        first_line = str(cause).strip().splitlines()[0]
-        fail(f"cannot load the weights of {model_dir} ({first_line}); its *.safetensors must hold every weight of "
-             "the model its config.json describes, under the Hugging Face names")
+    # NOTE: HuggingFaceStorageReader reads every *.safetensors file of its folder, a second copy of the weights in
+    # another format too (Mistral's consolidated.safetensors): it gets a folder of links to the weight files only.
+    with tempfile.TemporaryDirectory() as weights_dir:
+        for path in find_weight_files(model_dir):
+            os.symlink(path.resolve(), Path(weights_dir) / path.name)
+        try:
+            dcp.load(model_state, storage_reader=HuggingFaceStorageReader(weights_dir))
+        except dcp.CheckpointException as error:
+            # NOTE: DCP gathers every rank's exception; the first one says what is wrong.
+            cause, _ = next(iter(error.failures.values()))
+            first_line = str(cause).strip().splitlines()[0]
+            fail(f"cannot load the weights of {model_dir} ({first_line}); its *.safetensors must hold every weight "
+                 "of the model its config.json describes, under the Hugging Face names")
     LOGGER.info(f"loaded the pretrained weights of {model_dir} in {time.perf_counter() - started:.1f}s")
 
 

@@ -8,6 +8,7 @@ The pretrained model, and the eager run the other features are compared with, ar
 (SharedRuns). `pytest -s` prints the figures.
 """
 
+import fnmatch
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, SharedRuns, error_line, load_script, max_difference,
                      read_losses, run, script, torchrun, train)
@@ -317,7 +319,6 @@ def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers
     not check, and computes the same loss as SDPA, at batch size 1 and 4. Run with flash-attn's functions computed by
     SDPA on the CPU (FakeFlashAttention); the GPU check runs the real ones."""
     import transformers.modeling_flash_attention_utils as flash_utils
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     fake = FakeFlashAttention()
     monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
@@ -369,6 +370,42 @@ def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers
         source = script(chapter_name).read_text()
         assert "attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)" in source, chapter_name
         assert "**attention_kwargs).loss" in source, chapter_name
+
+
+def test_a_folder_with_only_pickled_weights_gets_a_one_line_error(env, tmp_path):
+    # The tiny model's config and tokenizer, with its weights saved by torch.save() as older hub models have them.
+    model_dir = tmp_path / "pickled-model"
+    shutil.copytree(TINY_MODEL, model_dir)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL), dtype=torch.float32)
+    torch.save(model.state_dict(), model_dir / "pytorch_model.bin")
+    result, _ = train("05", env, tmp_path, "-m", model_dir, "--max-steps", "2", check=False, timeout=120)
+    assert result.returncode == 1
+    assert error_line(result) == (
+        f"error: {model_dir} holds its weights only as pytorch_model.bin, which this script does not read (it would "
+        "train from random weights); convert them to safetensors first: load the folder with transformers' "
+        "from_pretrained() and write it with save_pretrained() (Meta's *.pth: transformers' "
+        "convert_llama_weights_to_hf.py), and pass -m the new folder"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_mistral_consolidated_safetensors_are_neither_read_nor_downloaded(runs, env, tmp_path):
+    """A folder as Mistral's repositories are: the Hugging Face weights in model-*.safetensors, and the same weights
+    again, in Mistral's format, in consolidated.safetensors. Here that second file is not even a safetensors file:
+    the run trains exactly like the fine-tune from the plain folder only if nothing ever opens it."""
+    model_dir = tmp_path / "mistral-like"
+    shutil.copytree(pretrained_model(runs, env), model_dir)
+    (model_dir / "model.safetensors").rename(model_dir / "model-00001-of-00001.safetensors")
+    (model_dir / "consolidated.safetensors").write_bytes(b"Mistral's own format, which train_llm.py must not open")
+    chapter = load_script("05")
+    assert chapter.find_weight_files(model_dir) == [model_dir / "model-00001-of-00001.safetensors"]
+    assert any(fnmatch.fnmatch("consolidated.safetensors", pattern) for pattern in chapter.SKIPPED_MODEL_FILES)
+    _, plain = finetune(runs, env)
+    result, experiment = train("05", env, tmp_path, "-m", model_dir, *STEPS, nproc=2, experiment="mistral-like")
+    assert f"loaded the pretrained weights of {model_dir}" in result.stdout
+    difference = max_difference(read_losses(plain), read_losses(experiment))
+    print(f"\nmodel-00001-of-00001.safetensors next to an unreadable consolidated.safetensors: largest loss "
+          f"difference from the plain folder's fine-tune {difference:.1e} over 6 steps")
+    assert difference <= 1e-6
 
 
 def fake_command(tmp_path, name, body='printf "%s\\n" "$*"'):
