@@ -115,11 +115,13 @@ def main():
             for _ in range(args.grad_accum):
                 with timer("data"):
                     input_ids = next(micro_batches).to(device, non_blocking=True)
+                    attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                 with timer("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                     # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
                     # use_cache=False: no KV cache. Only generation needs one; in training it would keep every
                     # layer's keys and values alive (twice, for a layer that activation checkpointing recomputes).
-                    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
+                    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False,
+                                 **attention_kwargs).loss / args.grad_accum
                 with timer("backward"):
                     loss.backward()
                 # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
@@ -278,6 +280,23 @@ def check_attention_implementation(attn_implementation, device):
     if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
         fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
              "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
+
+
+def get_attention_kwargs(attn_implementation, input_ids):
+    """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
+
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
+    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
+    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
+    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
+    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    """
+    if attn_implementation != "flash_attention_2":
+        return {}
+    batch_size, seq_length = input_ids.shape
+    boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
+    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
+            "max_length_k": seq_length}
 
 
 @torch.no_grad()

@@ -13,6 +13,11 @@
 #   405b-features  activation checkpointing, torch.compile (inductor with Triton) and CPU offload together, as in the
 #                  405B command: the same losses
 #   flash          --attn-implementation flash_attention_2 if flash-attn is installed, else its one-line error
+#   flash-batch-1  (with flash-attn) batch size 1 and --compile, as in the 405B command: the losses of SDPA at
+#                  batch size 1, and no more graph breaks than SDPA's run logs (TORCH_LOGS=graph_breaks)
+#   flash-syncs    (with flash-attn) host-device syncs in one forward and backward at batch size 1, counted by
+#                  torch.cuda.set_sync_debug_mode: flash attention with the chapter's get_attention_kwargs() no more
+#                  than SDPA (without them transformers adds one per layer: its packed-sequence check)
 #   chapter-04     chapter 04 with --cpu-offload (NCCL for GPU tensors, gloo for the offloaded CPU ones)
 #   one-gpu-per-task  local rank 1 in a process that sees one GPU (Slurm's --gpus-per-task=1) trains on cuda:0
 # Prints one line per case and a summary; logs and metrics stay in OUTPUT_DIR (default: gpu-check).
@@ -38,12 +43,13 @@ losses() { python -c "import json,sys; print(' '.join(f\"{json.loads(l)['loss']:
                "$OUT_DIR/outputs/$1/metrics.jsonl"; }
 peak_gb() { python -c "import json,sys; print(max(json.loads(l)['memory_allocated_gb'] for l in open(sys.argv[1])))" \
                 "$OUT_DIR/outputs/$1/metrics.jsonl"; }
-close_to_plain() {  # the largest loss difference from the plain fine-tune, and whether it is under the tolerance
-    python - "$OUT_DIR/outputs/plain/metrics.jsonl" "$OUT_DIR/outputs/$1/metrics.jsonl" "$2" <<'EOF'
+close_to_plain() {  # NAME TOLERANCE [REFERENCE]: the largest loss difference from the plain fine-tune (or from
+                   # REFERENCE), and whether it is under the tolerance
+    python - "$OUT_DIR/outputs/${3:-plain}/metrics.jsonl" "$OUT_DIR/outputs/$1/metrics.jsonl" "$2" "${3:-plain}" <<'EOF'
 import json, sys
 a, b = ([json.loads(line)["loss"] for line in open(path)] for path in sys.argv[1:3])
 difference = max(abs(x - y) for x, y in zip(a, b))
-print(f"largest loss difference from plain {difference:.2e} over {len(b)} steps")
+print(f"largest loss difference from {sys.argv[4]} {difference:.2e} over {len(b)} steps")
 sys.exit(0 if len(a) == len(b) and difference <= float(sys.argv[3]) else 1)
 EOF
 }
@@ -73,6 +79,49 @@ check cpu-offload 2e-2 --cpu-offload
 check 405b-features 5e-2 --activation-checkpointing --compile --cpu-offload
 if python -c "import flash_attn" 2>/dev/null; then
     check flash 5e-2 --attn-implementation flash_attention_2
+    # Batch size 1, compiled, as in the 405B command: where transformers' flash-attention path would check every
+    # layer's position_ids for packed sequences (a host read, so a sync and a graph break per layer).
+    if TORCH_LOGS=graph_breaks train $CH05 sdpa-batch-1 -m "$PRETRAINED" --batch-size 1 --compile &&
+       TORCH_LOGS=graph_breaks train $CH05 flash-batch-1 -m "$PRETRAINED" --batch-size 1 --compile \
+           --attn-implementation flash_attention_2; then
+        details=$(close_to_plain flash-batch-1 5e-2 sdpa-batch-1); ok=$?
+        breaks=$(grep -c "Graph break" "$OUT_DIR/flash-batch-1.log")
+        sdpa_breaks=$(grep -c "Graph break" "$OUT_DIR/sdpa-batch-1.log")
+        [ "$breaks" -le "$sdpa_breaks" ] || ok=1
+        report flash-batch-1 $ok "$details; graph breaks logged: $breaks (sdpa: $sdpa_breaks)"
+    else
+        report flash-batch-1 1 "a run failed (see also $OUT_DIR/sdpa-batch-1.log)"
+    fi
+    python - "$CH05/train_llm.py" "$PRETRAINED" > "$OUT_DIR/flash-syncs.log" 2>&1 <<'EOF'
+import importlib.util, sys, warnings
+import torch
+from transformers import AutoModelForCausalLM
+
+spec = importlib.util.spec_from_file_location("chapter", sys.argv[1])
+chapter = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chapter)
+
+def syncs(attn_implementation, with_chapter_kwargs):
+    """Host-device syncs in one forward and backward at batch size 1, after a warm-up one."""
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2], attn_implementation=attn_implementation,
+                                                 dtype=torch.bfloat16).cuda()
+    input_ids = torch.randint(0, model.config.vocab_size, (1, 256), device="cuda")
+    kwargs = chapter.get_attention_kwargs(attn_implementation, input_ids) if with_chapter_kwargs else {}
+    model(input_ids=input_ids, labels=input_ids, use_cache=False, **kwargs).loss.backward()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        model(input_ids=input_ids, labels=input_ids, use_cache=False, **kwargs).loss.backward()
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing CUDA operation" in str(warning.message) for warning in caught)
+
+sdpa, flash, flash_without = syncs("sdpa", True), syncs("flash_attention_2", True), syncs("flash_attention_2", False)
+print(f"syncs per forward and backward at batch size 1: sdpa {sdpa}, flash_attention_2 {flash} with the chapter's "
+      f"kwargs, {flash_without} without them")
+sys.exit(0 if flash <= sdpa else 1)
+EOF
+    report flash-syncs $? "$(tail -n 1 "$OUT_DIR/flash-syncs.log")"
 else
     echo "SKIP flash: flash-attn is not installed (pip install flash-attn --no-build-isolation)"
     train $CH05 flash-missing --attn-implementation flash_attention_2

@@ -18,6 +18,7 @@ Llama 3.1 405B on 8 or more nodes of 8 GPUs (see README.md for the download and 
 import argparse
 import contextlib
 import datetime
+import fnmatch
 import importlib.util
 import json
 import logging
@@ -27,6 +28,7 @@ import resource
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import uuid
 import zlib
@@ -87,6 +89,7 @@ def main():
     check_sequence_length(args.seq_length, config)
     check_attention_implementation(args.attn_implementation, device)
     check_cpu_offload(args.cpu_offload, device)
+    check_weights_are_safetensors(model_dir)
     # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"
     # in a second on any machine. fully_shard() then replaces every parameter by a DTensor holding this rank's
     # shard, still on meta; to_empty() allocates only those shards on the device; init_weights() fills them.
@@ -174,6 +177,7 @@ def main():
             for _ in range(args.grad_accum):
                 with timer("data"):
                     input_ids = next(micro_batches).to(device, non_blocking=True)
+                    attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                 # NOTE: no autocast: FSDP's MixedPrecisionPolicy casts the all-gathered weights to bf16 instead.
                 # And no no_sync(): skipping the reduce-scatter would keep full, unsharded gradients in memory
                 # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
@@ -181,7 +185,8 @@ def main():
                     # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
                     # use_cache=False: no KV cache. Only generation needs one; in training it would keep every
                     # layer's keys and values alive (twice, for a layer that activation checkpointing recomputes).
-                    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
+                    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False,
+                                 **attention_kwargs).loss / args.grad_accum
                 with timer("backward"):
                     loss.backward()
                 # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
@@ -436,9 +441,12 @@ def rank_zero_first():
 # 1. The model
 
 # What training needs from a hub repository: the config, the tokenizer and the safetensors weights. Large models'
-# repositories often hold the same weights again in another format (Llama 3.1 405B: original/*.pth, 800 GB more).
+# repositories often hold the same weights again in another format (Llama 3.1 405B: original/*.pth, 800 GB more;
+# Mistral's: consolidated*.safetensors, under Mistral's own names), which is neither downloaded nor read.
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
-SKIPPED_MODEL_FILES = ["original/*"]
+SKIPPED_MODEL_FILES = ["original/*", "consolidated*.safetensors"]
+# Weights saved with torch.save() (pickles: Hugging Face's older format, and Meta's), which this script does not read.
+PICKLED_WEIGHT_FILES = ["pytorch_model*.bin", "pytorch_model*.bin.index.json", "*.pth"]
 
 
 def download_model(model_name):
@@ -484,9 +492,42 @@ def check_attention_implementation(attn_implementation, device):
              "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
 
 
+def get_attention_kwargs(attn_implementation, input_ids):
+    """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
+
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
+    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
+    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
+    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
+    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    """
+    if attn_implementation != "flash_attention_2":
+        return {}
+    batch_size, seq_length = input_ids.shape
+    boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
+    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
+            "max_length_k": seq_length}
+
+
 def check_cpu_offload(cpu_offload, device):
     if cpu_offload and device.type != "cuda":
         fail("--cpu-offload moves GPU memory to the CPU and needs CUDA; leave it out on a machine without a GPU")
+
+
+def check_weights_are_safetensors(model_dir):
+    """Fail if the folder's only weights are pickles: the run would silently train from random weights.
+
+    NOTE: a folder without any weights (the bundled tiny model) is fine: it trains from the seed, and says so.
+    """
+    if find_weight_files(model_dir):
+        return
+    pickled = sorted(path.name for path in Path(model_dir).iterdir()
+                     if any(fnmatch.fnmatch(path.name, pattern) for pattern in PICKLED_WEIGHT_FILES))
+    if pickled:
+        fail(f"{model_dir} holds its weights only as {', '.join(pickled)}, which this script does not read (it would "
+             "train from random weights); convert them to safetensors first: load the folder with transformers' "
+             "from_pretrained() and write it with save_pretrained() (Meta's *.pth: transformers' "
+             "convert_llama_weights_to_hf.py), and pass -m the new folder")
 
 
 def apply_activation_checkpointing(model):
@@ -553,8 +594,14 @@ def shard_model(model, dtype, cpu_offload):
         next_layer.set_modules_to_backward_prefetch([layer])
 
 
+def find_weight_files(model_dir):
+    """The folder's safetensors files in the Hugging Face format: those of MODEL_FILES, less SKIPPED_MODEL_FILES."""
+    return sorted(path for path in Path(model_dir).glob("*.safetensors")
+                  if not any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_MODEL_FILES))
+
+
 def has_pretrained_weights(model_dir):
-    return any(Path(model_dir).glob("*.safetensors"))
+    return bool(find_weight_files(model_dir))
 
 
 @torch.no_grad()
@@ -572,14 +619,19 @@ def load_pretrained_weights(model, model_dir):
     if model.config.tie_word_embeddings:
         # NOTE: a tied head is the embedding matrix itself, saved once, as model.embed_tokens.weight.
         del model_state["lm_head.weight"]
-    try:
-        dcp.load(model_state, storage_reader=HuggingFaceStorageReader(model_dir))
-    except dcp.CheckpointException as error:
-        # NOTE: DCP gathers every rank's exception; the first one says what is wrong.
-        cause, _ = next(iter(error.failures.values()))
-        first_line = str(cause).strip().splitlines()[0]
-        fail(f"cannot load the weights of {model_dir} ({first_line}); its *.safetensors must hold every weight of "
-             "the model its config.json describes, under the Hugging Face names")
+    # NOTE: HuggingFaceStorageReader reads every *.safetensors file of its folder, a second copy of the weights in
+    # another format too (Mistral's consolidated.safetensors): it gets a folder of links to the weight files only.
+    with tempfile.TemporaryDirectory() as weights_dir:
+        for path in find_weight_files(model_dir):
+            os.symlink(path.resolve(), Path(weights_dir) / path.name)
+        try:
+            dcp.load(model_state, storage_reader=HuggingFaceStorageReader(weights_dir))
+        except dcp.CheckpointException as error:
+            # NOTE: DCP gathers every rank's exception; the first one says what is wrong.
+            cause, _ = next(iter(error.failures.values()))
+            first_line = str(cause).strip().splitlines()[0]
+            fail(f"cannot load the weights of {model_dir} ({first_line}); its *.safetensors must hold every weight "
+                 "of the model its config.json describes, under the Hugging Face names")
     LOGGER.info(f"loaded the pretrained weights of {model_dir} in {time.perf_counter() - started:.1f}s")
 
 
