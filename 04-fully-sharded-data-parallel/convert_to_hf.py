@@ -49,6 +49,13 @@ def main():
         cause = str(error).strip().splitlines()[-1]
         fail(f"cannot read the weights of {checkpoint_dir} ({cause}); its files are damaged, or do not match its "
              "model_config.json")
+    # NOTE: to_empty() gave a tied head (tie_word_embeddings) a tensor of its own, which dcp.load() filled from the
+    # checkpoint's copy of the matrix. Tied again, save_pretrained() writes the matrix once, as Hugging Face stores
+    # tied models. A checkpoint whose two matrices differ was trained untied: both are saved, and from_pretrained()
+    # loads them untied, with a warning.
+    if config.tie_word_embeddings and torch.equal(model.get_input_embeddings().weight,
+                                                  model.get_output_embeddings().weight):
+        model.tie_weights()
 
     # NOTE: save_pretrained() skips non-persistent buffers (the rotary inv_freq that to_empty() left empty), and
     # from_pretrained() computes them afresh, so only trained weights go into the file.

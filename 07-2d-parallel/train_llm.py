@@ -526,6 +526,11 @@ def parallelize_model(model, tp_mesh):
     sequence). Attention and MLP each go column-wise then row-wise, so each needs just two collectives: an
     all-gather of the sequence on the way in, a reduce-scatter of the partial sums on the way out.
     """
+    # NOTE: a model with tie_word_embeddings (Llama 3.2 1B and 3B, the small Qwen2.5) uses one matrix at both ends.
+    # parallelize_module() gives each of the two modules a DTensor of its own, which would train two matrices. Both
+    # are split along the vocabulary, Shard(0), so the head takes the embedding's DTensor back: init_weights(),
+    # AdamW, the checkpoint, chapter 07's FSDP and the parameter count see one matrix, as in chapter 01.
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
     parallelize_module(model, tp_mesh, {
         # NOTE: each rank holds a slice of the vocabulary's embedding rows; the partial lookups are summed across
         # ranks into the full embeddings. They stay whole (Replicate) because Hugging Face's model computes the
@@ -538,6 +543,12 @@ def parallelize_model(model, tp_mesh):
         # in the training step computes the cross-entropy from the pieces.
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
+    if tied:
+        embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
+        if embedding.placements != head.placements:
+            fail(f"the tied embedding and output head are split differently ({embedding.placements} vs "
+                 f"{head.placements}) and cannot share one matrix; split both along the vocabulary, Shard(0)")
+        model.lm_head.weight = embedding
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, {
             "input_layernorm": SequenceParallel(),

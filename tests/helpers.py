@@ -122,6 +122,13 @@ def read_losses(experiment_dir):
     return [record["loss"] for record in read_metrics(experiment_dir)]
 
 
+def logged_parameter_count(result):
+    """The parameter count a run logged ('model: 4.2M parameters, 4 layers'), as the text it logged ("4.2M")."""
+    import re
+
+    return re.search(r"INFO model: ([\d.]+M) parameters", result.stdout).group(1)
+
+
 def max_difference(losses_a, losses_b):
     assert len(losses_a) == len(losses_b), f"{len(losses_a)} vs {len(losses_b)} steps"
     return max(abs(a - b) for a, b in zip(losses_a, losses_b))

@@ -15,8 +15,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (REPO, TINY_MODEL, SharedRuns, error_line, load_script, max_difference, memory_held, read_losses,
-                     read_metrics, run, train)
+from helpers import (REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script, logged_parameter_count,
+                     max_difference, memory_held, read_losses, read_metrics, run, train)
 
 FAULTS = REPO / "tests" / "faults"
 CONVERT = REPO / "04-fully-sharded-data-parallel" / "convert_to_hf.py"
@@ -68,6 +68,22 @@ def test_fsdp_reproduces_chapter_01_losses(runs, env, world_size):
     print(f"FSDP {world_size} ranks x 2 vs chapter 01 batch {2 * world_size}: largest loss difference "
           f"{difference:.2e} over 10 steps")
     assert difference <= 1e-5
+
+
+def test_a_tied_model_trains_one_matrix_as_chapter_01_does(runs, env, tmp_path, tied_model):
+    """With tie_word_embeddings the embedding and the head are one parameter, in the root group: FSDP shards it
+    once, and the sharded model trains chapter 01's curve with chapter 01's parameter count."""
+    reference_result, single = runs.train("01", env, "-m", tied_model, *TEN_STEPS, "--batch-size", 4)
+    result, sharded = runs.train("04", env, "-m", tied_model, *TEN_STEPS, "--batch-size", 2, nproc=2)
+    difference = max_difference(read_losses(single), read_losses(sharded))
+    weights = checkpoint_weights(sharded / "checkpoint-00000010", tmp_path)
+    head_vs_embedding = (weights["lm_head.weight"] - weights["model.embed_tokens.weight"]).abs().max().item()
+    print(f"tied model, FSDP 2 ranks x 2 vs chapter 01 batch 4: largest loss difference {difference:.2e} over 10 "
+          f"steps; parameters {logged_parameter_count(result)} vs {logged_parameter_count(reference_result)}; "
+          f"checkpoint's head vs embedding {head_vs_embedding:.1e}")
+    assert difference <= 1e-5
+    assert logged_parameter_count(result) == logged_parameter_count(reference_result)
+    assert head_vs_embedding == 0
 
 
 def test_each_rank_holds_one_nth_of_parameters_gradients_and_optimizer_state(runs, resumed_runs, env):

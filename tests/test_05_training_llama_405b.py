@@ -17,12 +17,13 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, SharedRuns, error_line, load_script, max_difference,
-                     read_losses, run, script, torchrun, train)
+from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script,
+                     logged_parameter_count, max_difference, read_losses, run, script, torchrun, train)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
@@ -107,6 +108,40 @@ def test_pretrained_weights_give_the_loss_transformers_computes(runs, env, tmp_p
           f"random init {reference['random_init']:.4f}")
     assert abs(first_loss - reference["pretrained"]) <= 1e-5
     assert first_loss < reference["random_init"] - 1.0
+
+
+def test_a_tied_model_keeps_the_embedding_in_the_head_s_group_and_loads_its_one_matrix(runs, env, tmp_path,
+                                                                                      tied_model):
+    """With tie_word_embeddings the embedding is the head's parameter, so it joins the head's FSDP group instead of
+    a group of its own. From the seed, the run trains chapter 01's curve with chapter 01's parameter count. From a
+    tied Hugging Face folder, which stores the matrix once (as model.embed_tokens.weight), the first loss is the
+    one transformers computes, and the checkpoint holds one matrix under both names."""
+    reference_result, single = runs.train("01", env, "-m", tied_model, *STEPS, "--batch-size", "4")
+    result, from_seed = runs.train("05", env, "-m", tied_model, *STEPS, "--batch-size", "2", nproc=2)
+    difference = max_difference(read_losses(single), read_losses(from_seed))
+
+    model_dir = tmp_path / "tied-pretrained"
+    shutil.copytree(tied_model, model_dir)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tied_model), dtype=torch.float32).save_pretrained(
+        model_dir)
+    with safe_open(model_dir / "model.safetensors", framework="pt") as saved:
+        assert "lm_head.weight" not in saved.keys()
+    pretrained_result, finetuned = train("05", env, tmp_path, "-m", model_dir, *STEPS, nproc=2)
+    assert f"loaded the pretrained weights of {model_dir}" in pretrained_result.stdout
+    first_loss = read_losses(finetuned)[0]
+    reference = last_json_line(run_program(TRANSFORMERS_LOSS, env, tmp_path, script("05"), *FAST_ARGS,
+                                           "-m", model_dir))
+    weights = checkpoint_weights(finetuned / "checkpoint-00000006", tmp_path)
+    head_vs_embedding = (weights["lm_head.weight"] - weights["model.embed_tokens.weight"]).abs().max().item()
+    print(f"\ntied model: from the seed vs chapter 01, largest loss difference {difference:.1e} over 6 steps, "
+          f"parameters {logged_parameter_count(result)} vs {logged_parameter_count(reference_result)}; from a tied "
+          f"folder, first loss {first_loss:.6f} vs transformers {reference['pretrained']:.6f}; checkpoint's head vs "
+          f"embedding {head_vs_embedding:.1e}")
+    assert difference <= 1e-5
+    assert logged_parameter_count(result) == logged_parameter_count(reference_result)
+    assert abs(first_loss - reference["pretrained"]) <= 1e-5
+    assert head_vs_embedding == 0
 
 
 # Each rank loads the pretrained folder into its shards with the chapter's own functions, through the activation
