@@ -19,8 +19,9 @@ from helpers import REPO, script
 # (base chapter, chapter) -> {definition the chapter changes: why its lesson changes it}.
 LINEAGE = {
     ("01", "02"): {
-        "main": "one process per GPU: process group, DistributedDataParallel, ZeRO-1, rank-zero-first preparation, "
-                "the loss averaged over ranks, and wandb, metrics and the progress bar on rank 0 only",
+        "main": "one process per GPU: process group (with its timeout), DistributedDataParallel, ZeRO-1, "
+                "rank-zero-first preparation, the checkpoint rank 0 finds, the loss averaged over ranks, and wandb, "
+                "metrics and the progress bar on rank 0 only",
         "get_parser": "the --zero1 option, and --dist-timeout, the process group's timeout",
         "parse_args": "--dist-timeout must be at least 1 second too",
         "setup_logging": "every log line says which rank wrote it",
