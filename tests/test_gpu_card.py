@@ -213,6 +213,13 @@ def test_the_sync_audit_counts_syncs_outside_logging_steps_and_the_stop_hook_end
     assert summary["syncs_in_step_2"] == 1 and summary["syncs_after_logging_steps"] == 8
 
 
+def test_the_card_site_runs_the_sitecustomize_it_hides(env, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text("print('the hidden sitecustomize ran')\n")
+    result = run([sys.executable, "-c", "print('then the program')"],
+                 {**env, "PYTHONPATH": os.pathsep.join([str(CARD_SITE), str(tmp_path)])}, tmp_path, timeout=120)
+    assert result.stdout.splitlines() == ["the hidden sitecustomize ran", "then the program"]
+
+
 def test_the_benchmark_times_both_loops_in_fresh_processes_alternately(env, tmp_path):
     log_dir = tmp_path / "logs"
     result = run([sys.executable, BENCHMARK, "--chapter", "04-fully-sharded-data-parallel", "--steps", "2",

@@ -963,11 +963,17 @@ def render_markdown(data):
                          f"{', '.join(f'{ms:.1f}' for ms in result['bare_step_ms'])}; "
                          f"{', '.join(f'{ms:.1f}' for ms in result['chapter_step_ms'])} |")
     checks = [run for run in data["runs"] if run["kind"] == "check"]
-    if checks:
+    flash_unmeasured = data["mode"] == "gpu" and environment.get("model") and not environment.get("flash_attn") \
+        and OPTIONS_CHAPTER in data["chapter_args"]
+    if checks or flash_unmeasured:
         lines += ["", "Checks:", ""]
         for run in checks:
             lines.append(f"- {run['chapter']} {' '.join(run['options'])}: {check_result(run)}"
                          f"{' (' + run['note'] + ')' if run.get('note') else ''}")
+        if flash_unmeasured:
+            lines.append(f"- {OPTIONS_CHAPTER} --attn-implementation flash_attention_2 --batch-size 1: not measured: "
+                         "flash-attn does not import here; a flash-attn wheel built for this torch and CUDA "
+                         "would let the card count its syncs per layer (issue 12 item 6)")
     problems = [run for run in data["runs"] if run["status"] not in ("ok", "expected error")]
     sync_notes = [run for run in data["runs"] if (run.get("syncs") or {}).get("syncs_in_audited_steps")]
     expected_errors = [run for run in data["runs"] if run["status"] == "expected error"]
