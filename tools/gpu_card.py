@@ -1133,8 +1133,8 @@ def fill_readmes(card_dir):
 
 def not_measured_section():
     return ("Not yet measured on a GPU. On a machine with CUDA GPUs, from the repository root, the first command "
-            "measures every\nchapter in about 8 minutes (`python tools/gpu_card.py --help` says what and how), the "
-            "second writes the numbers here:\n\n```bash\npython tools/gpu_card.py --out gpu-card\n"
+            "measures every chapter\nin at most 8 minutes (`python tools/gpu_card.py --help` says what and how), "
+            "the second writes the numbers here:\n\n```bash\npython tools/gpu_card.py --out gpu-card\n"
             "python tools/gpu_card.py --fill-readmes gpu-card\n```")
 
 
