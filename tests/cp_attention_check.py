@@ -138,8 +138,10 @@ def check_whole_model(mesh, form, load_balance, config, reference):
     model.load_state_dict(reference.state_dict())
     model.train()
     handles = record_outputs(model, split_outputs)
-    model_inputs = chapter.get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance)
-    loss = model(**model_inputs, use_cache=False).loss
+    local_ids, position_ids, shift_labels, num_items = chapter.get_model_inputs(input_ids, cp_mesh, dp_mesh,
+                                                                                load_balance)
+    loss = model(input_ids=local_ids, position_ids=position_ids, labels=shift_labels, shift_labels=shift_labels,
+                 num_items_in_batch=num_items, use_cache=False).loss
     loss.backward()
     for handle in handles:
         handle.remove()

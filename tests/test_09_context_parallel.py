@@ -200,13 +200,12 @@ def test_the_labels_are_shifted_before_the_split_and_the_count_covers_every_rank
     # NOTE: one data-parallel rank, so the count's all-reduce has nothing to add: no process group needed.
     monkeypatch.setattr(chapter.dist, "all_reduce", lambda tensor, group=None: None)
     shares = [chapter.get_model_inputs(input_ids, Mesh(rank, 2), Mesh(0, 1), load_balance=True) for rank in (0, 1)]
-    assert shares[0]["input_ids"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
-    assert shares[0]["position_ids"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
-    assert shares[0]["shift_labels"].tolist() == [[1, 2, 3, 4, 13, 14, 15, -100]]
-    assert shares[1]["input_ids"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
-    assert shares[1]["shift_labels"].tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
-    assert all(torch.equal(share["labels"], share["shift_labels"]) for share in shares)
-    assert [share["num_items_in_batch"].item() for share in shares] == [15, 15]
+    (ids_0, positions_0, labels_0, count_0), (ids_1, positions_1, labels_1, count_1) = shares
+    assert ids_0.tolist() == positions_0.tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert labels_0.tolist() == [[1, 2, 3, 4, 13, 14, 15, -100]]
+    assert ids_1.tolist() == positions_1.tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert labels_1.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12]]
+    assert count_0.item() == count_1.item() == 15
 
 
 def test_memory_per_rank_falls_as_one_over_cp_and_load_balancing_evens_the_work(env, tmp_path):
@@ -235,8 +234,8 @@ def test_memory_per_rank_falls_as_one_over_cp_and_load_balancing_evens_the_work(
         assert unbalanced == [rank * chunk * chunk + chunk * (chunk + 1) // 2 for rank in range(cp_size)]
     # Llama-3.1-8B on the meta device (the README's table): 7 MB per token, and per GPU exactly the cp-th part.
     llama_8b = figures["llama_8b_bytes"]
-    print("Llama-3.1-8B activations per GPU (GB): " + ", ".join(f"cp {key.replace('/', ' at ')} tokens: "
-                                                                f"{value / 1e9:.1f}" for key, value in llama_8b.items()))
+    print("Llama-3.1-8B activations per GPU (GB): " + ", ".join(
+        f"cp {key.replace('/', ' at ')} tokens: {value / 1e9:.1f}" for key, value in llama_8b.items()))
     assert 6.5e6 <= llama_8b["1/8192"] / 8192 <= 7.5e6
     for seq_length in (8192, 32768, 131072):
         for cp_size in (8, 16):

@@ -34,6 +34,8 @@ CHAPTER_RUNS = {
     # NOTE: the tensor-parallel ranks of 06, and of 07 at dp 1 x tp 2, all read the whole batch.
     "06": (2, ["--batch-size", "4"], AUTOCAST_TOLERANCE),
     "07": (2, ["--tp", "2", "--batch-size", "4"], FSDP_BF16_TOLERANCE),
+    # NOTE: the cp ranks of 09 split the same sequences: 2 ranks as cp 2 read the whole batch.
+    "09": (2, ["--cp", "2", "--batch-size", "4"], FSDP_BF16_TOLERANCE),
 }
 
 

@@ -109,7 +109,8 @@ def activation_bytes(chapter, mesh, form, seq_length):
     model, config = build_model(chapter, mesh["cp"], form, seq_length)
     weights = {parameter.untyped_storage().data_ptr() for parameter in model.parameters()}
     input_ids = torch.randint(0, config.vocab_size, (1, seq_length), generator=torch.Generator().manual_seed(0))
-    model_inputs = chapter.get_model_inputs(input_ids, mesh["cp"], mesh["dp"], load_balance=True)
+    local_ids, position_ids, shift_labels, num_items = chapter.get_model_inputs(input_ids, mesh["cp"], mesh["dp"],
+                                                                                load_balance=True)
     storages = {}
 
     def keep(tensor):
@@ -120,7 +121,8 @@ def activation_bytes(chapter, mesh, form, seq_length):
 
     # NOTE: forward only: what it keeps is the peak; backward frees it again.
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        model(**model_inputs, use_cache=False)
+        model(input_ids=local_ids, position_ids=position_ids, labels=shift_labels, shift_labels=shift_labels,
+              num_items_in_batch=num_items, use_cache=False)
     return sum(storages.values())
 
 
