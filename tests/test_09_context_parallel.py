@@ -223,15 +223,16 @@ def test_memory_per_rank_falls_as_one_over_cp_and_load_balancing_evens_the_work(
         # And it grows linearly with the sequence: no sequence x sequence matrix is kept.
     assert abs(memory["1/1024"] / memory["1/512"] - 2) <= 0.02
     attention = figures["attention"]
-    print("ring attention, 1024 tokens, query-key pairs per rank: " + "; ".join(
-        f"cp {key.replace('/', ', balancing ')}: {value['score_pairs']}" for key, value in attention.items()))
+    print("ring attention, 1024 tokens, scores computed per rank: " + "; ".join(
+        f"cp {key.replace('/', ', balancing ')}: {value['scores_computed']}" for key, value in attention.items()))
     for cp_size in (2, 4):
-        balanced, unbalanced = attention[f"{cp_size}/on"]["score_pairs"], attention[f"{cp_size}/off"]["score_pairs"]
-        # Balanced: every rank scores the same pairs, a 1/cp share of the causal triangle's 1024 x 1025 / 2.
-        assert len(set(balanced)) == 1 and balanced[0] * cp_size == 1024 * 1025 // 2
-        # Unbalanced: rank i scores its own chunk's triangle and i whole chunks before it: 2i + 1 halves.
-        chunk = 1024 // cp_size
-        assert unbalanced == [rank * chunk * chunk + chunk * (chunk + 1) // 2 for rank in range(cp_size)]
+        balanced, unbalanced = attention[f"{cp_size}/on"]["scores_computed"], attention[f"{cp_size}/off"]["scores_computed"]
+        local = 1024 // cp_size
+        # Balanced: every rank its own causal block (computed whole) and cp - 1 half blocks.
+        assert balanced == [local * local + (cp_size - 1) * local * local // 2] * cp_size
+        # Unbalanced: rank i its own block and the i whole blocks before it; the same total, unevenly.
+        assert unbalanced == [(rank + 1) * local * local for rank in range(cp_size)]
+        assert sum(balanced) == sum(unbalanced)
     # Llama-3.1-8B on the meta device (the README's table): 7 MB per token, and per GPU exactly the cp-th part.
     llama_8b = figures["llama_8b_bytes"]
     print("Llama-3.1-8B activations per GPU (GB): " + ", ".join(

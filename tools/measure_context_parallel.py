@@ -7,11 +7,13 @@
    backward pass, counted with saved-tensor hooks (each storage once; the weights, which are not activations, left
    out). That is the activation memory at its peak, the end of forward. Cut with the chapter's own
    get_model_inputs(), attention by the chapter's ring (or --form all-to-all).
-2. Ring attention's work per rank, with load balancing on and off, for cp 2 and 4: the query-key pairs each rank
-   scores in one forward pass of one attention layer (counted in a real ring over the processes: exact), and the
+2. Ring attention's work per rank, with load balancing on and off, for cp 2 and 4: the attention scores each rank
+   computes in one forward pass of one attention layer (query-key entries of the blocks it multiplies, the masked
+   half of its own causal block included; counted in a real ring over the processes: exact), and the
    milliseconds each rank's blocks take to compute, forward and backward (the chapter's visible_block(),
-   attention_block() and attention_block_backward(), replayed one rank after the other in one process, so that the
-   ranks do not compete for the CPU's cores: the ring as a whole waits for the slowest rank).
+   attention_block() and attention_block_backward(), replayed one rank after the other in one process and timed in
+   CPU time, so that neither the ranks nor other programs on the machine compete in the figure; the ring as a whole
+   waits for the slowest rank).
 3. Llama-3.1-8B's activations per GPU at 8K, 32K and 128K tokens, for cp 1, 8 and 16: the same saved-tensor count,
    on the meta device (shapes and dtypes, no memory and no computation: any size "runs" in seconds), in bf16 as FSDP's
    mixed precision computes, with attention keeping what FlashAttention keeps (queries, keys, values, output and
@@ -44,6 +46,7 @@ def main():
     parser.add_argument("--form", choices=["ring", "all-to-all"], default="ring", help="attention for part 1")
     parser.add_argument("--attention-seq-length", type=int, default=4096, help="tokens per sequence in part 2")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes of each rank's blocks in part 2 (median)")
+    parser.add_argument("--skip-memory", action="store_true", help="leave out part 1")
     parser.add_argument("--skip-llama-8b", action="store_true", help="leave out part 3")
     parser.add_argument("--json", default=None, help="write every figure to this file")
     args = parser.parse_args()
@@ -53,7 +56,7 @@ def main():
     cp_sizes = [size for size in (1, 2, 4) if world_size % size == 0]
 
     memory = {}
-    for cp_size in cp_sizes:
+    for cp_size in [] if args.skip_memory else cp_sizes:
         mesh = chapter.get_device_mesh(torch.device("cpu"), world_size, cp_size)
         for seq_length in args.seq_lengths:
             saved = activation_bytes(chapter, mesh, args.form, seq_length)
@@ -63,9 +66,9 @@ def main():
     for cp_size in [size for size in cp_sizes if size > 1]:
         mesh = chapter.get_device_mesh(torch.device("cpu"), world_size, cp_size)
         for load_balance in (True, False):
-            pairs = score_pairs(chapter, mesh["cp"], load_balance, args.attention_seq_length)
+            scores = scores_computed(chapter, mesh["cp"], load_balance, args.attention_seq_length)
             # NOTE: cp group 0 (ranks 0 .. cp_size - 1) speaks for all: every group does the same.
-            work[f"{cp_size}/{'on' if load_balance else 'off'}"] = {"score_pairs": all_ranks(pairs)[:cp_size]}
+            work[f"{cp_size}/{'on' if load_balance else 'off'}"] = {"scores_computed": all_ranks(scores)[:cp_size]}
             if dist.get_rank() == 0:
                 work[f"{cp_size}/{'on' if load_balance else 'off'}"]["compute_ms"] = replayed_compute_ms(
                     chapter, cp_size, load_balance, args.attention_seq_length, args.repeats)
@@ -137,16 +140,18 @@ def attention_inputs(seq_length, cp_size, seed):
     return query, key, value, config.head_dim ** -0.5
 
 
-def score_pairs(chapter, cp_mesh, load_balance, seq_length):
-    """The query-key pairs this rank scores in the forward pass of the chapter's ring (a real one, over cp_mesh)."""
+def scores_computed(chapter, cp_mesh, load_balance, seq_length):
+    """The query-key scores this rank computes in the forward pass of the chapter's ring (a real one, over cp_mesh).
+
+    NOTE: a causal block is computed whole and then masked, so it counts rows x columns like any other.
+    """
     query, key, value, scale = attention_inputs(seq_length, cp_mesh.size(), dist.get_rank())
-    pairs = 0
+    scores = 0
     original = chapter.attention_block
 
     def counted(block_query, block_key, block_value, block_scale, causal):
-        nonlocal pairs
-        rows, columns = block_query.shape[2], block_key.shape[2]
-        pairs += rows * (rows + 1) // 2 if causal else rows * columns
+        nonlocal scores
+        scores += block_query.shape[2] * block_key.shape[2]
         return original(block_query, block_key, block_value, block_scale, causal)
 
     chapter.attention_block = counted
@@ -157,11 +162,15 @@ def score_pairs(chapter, cp_mesh, load_balance, seq_length):
         output.sum().backward()
     finally:
         chapter.attention_block = original
-    return pairs
+    return scores
 
 
 def replayed_compute_ms(chapter, cp_size, load_balance, seq_length, repeats):
-    """Milliseconds of each cp rank's block computations, forward and backward, one rank after the other."""
+    """CPU milliseconds of each cp rank's block computations, forward and backward, one rank after the other.
+
+    NOTE: process time, not the wall clock: on a shared machine other programs take turns on the cores, which the
+    wall clock would count; one thread (OMP_NUM_THREADS=1), so CPU time is compute time.
+    """
     query, key, value, scale = attention_inputs(seq_length, cp_size, 0)
     per_rank = []
     for rank in range(cp_size):
@@ -169,14 +178,14 @@ def replayed_compute_ms(chapter, cp_size, load_balance, seq_length, repeats):
                   for step in range(cp_size)]
         times = []
         for _ in range(repeats + 1):
-            started = time.perf_counter()
+            started = time.process_time()
             for rows, columns, causal in filter(None, blocks):
                 block_query, block_key, block_value = query[:, :, rows], key[:, :, columns], value[:, :, columns]
                 output, lse = chapter.attention_block(block_query, block_key, block_value, scale, causal)
                 delta = (output * output).sum(-1)
                 chapter.attention_block_backward(output, block_query, block_key, block_value, lse, delta, scale,
                                                  causal)
-            times.append((time.perf_counter() - started) * 1000)
+            times.append((time.process_time() - started) * 1000)
         # NOTE: the first pass warms up (allocations, thread pools); the median of the others is reported.
         per_rank.append(statistics.median(times[1:]))
     return per_rank
@@ -238,24 +247,25 @@ def llama_8b_activation_bytes():
 
 
 def print_tables(memory, work, llama_8b, cp_sizes, args):
-    print(f"\nActivation memory per rank: bytes kept for backward after one forward pass, batch 1, "
-          f"{args.form} attention (MB)\n")
-    print("| tokens per sequence | " + " | ".join(f"cp {size}" for size in cp_sizes) + " | "
-          + " | ".join(f"cp {size} / cp 1" for size in cp_sizes[1:]) + " |")
-    print("| --- " * (2 * len(cp_sizes)) + "|")
-    for seq_length in args.seq_lengths:
-        values = [memory[f"{size}/{seq_length}"] for size in cp_sizes]
-        print(f"| {seq_length:,} | " + " | ".join(f"{value / 1e6:.1f}" for value in values) + " | "
-              + " | ".join(f"{value / values[0]:.3f}" for value in values[1:]) + " |")
+    if memory:
+        print(f"\nActivation memory per rank: bytes kept for backward after one forward pass, batch 1, "
+              f"{args.form} attention (MB)\n")
+        print("| tokens per sequence | " + " | ".join(f"cp {size}" for size in cp_sizes) + " | "
+              + " | ".join(f"cp {size} / cp 1" for size in cp_sizes[1:]) + " |")
+        print("| --- " * (2 * len(cp_sizes)) + "|")
+        for seq_length in args.seq_lengths:
+            values = [memory[f"{size}/{seq_length}"] for size in cp_sizes]
+            print(f"| {seq_length:,} | " + " | ".join(f"{value / 1e6:.1f}" for value in values) + " | "
+                  + " | ".join(f"{value / values[0]:.3f}" for value in values[1:]) + " |")
     print(f"\nRing attention, one layer, {args.attention_seq_length:,} tokens, per rank of a cp group: query-key "
-          "pairs scored in forward (thousands), milliseconds computing its blocks forward and backward; the ring "
-          "waits for the slowest rank\n")
+          "scores computed in forward (thousands), CPU milliseconds computing its blocks forward and backward; "
+          "the ring waits for the slowest rank\n")
     print("| cp | load balancing | " + " | ".join(f"rank {rank}" for rank in range(max(cp_sizes)))
           + " | slowest rank / mean |")
     print("| --- " * (3 + max(cp_sizes)) + "|")
     for key, figures in work.items():
         cp_size, balance = key.split("/")
-        cells = [f"{pairs / 1e3:,.0f}k, {ms:,.0f} ms" for pairs, ms in zip(figures["score_pairs"],
+        cells = [f"{scores / 1e3:,.0f}k, {ms:,.0f} ms" for scores, ms in zip(figures["scores_computed"],
                                                                           figures["compute_ms"])]
         cells += [""] * (max(cp_sizes) - len(cells))
         slowest = max(figures["compute_ms"]) / statistics.mean(figures["compute_ms"])
