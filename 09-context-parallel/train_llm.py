@@ -670,6 +670,7 @@ class RingAttention(torch.autograd.Function):
         batch, heads, tokens, head_dim = query.shape
         # NOTE: the output is laid out in memory as (batch, tokens, heads, head_dim), the layout o_proj reads: the
         # attention module's reshape is then a view, and o_proj keeps this very tensor for its backward, no copy.
+        # It is merged in fp32, whatever the model's dtype.
         output = torch.zeros(batch, tokens, heads, head_dim, dtype=torch.float32, device=query.device).transpose(1, 2)
         lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
         key_value = torch.stack([key, value])
@@ -687,9 +688,12 @@ class RingAttention(torch.autograd.Function):
                 for request in requests:
                     request.wait()
                 key_value = next_key_value
+        # NOTE: the output is kept in the model's dtype, as returned (FlashAttention does the same): in bf16, half
+        # the bytes of the fp32 sum it was merged in, and the same tensor o_proj keeps.
+        output = output.to(query.dtype)
         ctx.save_for_backward(query, key, value, output, lse)
         ctx.scale, ctx.group, ctx.load_balance = scale, group, load_balance
-        return output.to(query.dtype)
+        return output
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -698,7 +702,7 @@ class RingAttention(torch.autograd.Function):
         grad_output = grad_output.float()
         # NOTE: the softmax's backward needs, for each query, the sum of grad_output * output over the head
         # dimension, of the final output: one number per query, computed once and used against every block.
-        delta = (grad_output * output).sum(-1)
+        delta = (grad_output * output.float()).sum(-1)
         grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
         grad_key_value = torch.zeros((2, *key.shape), dtype=torch.float32, device=key.device)
         key_value = torch.stack([key, value])
