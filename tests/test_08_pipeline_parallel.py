@@ -16,8 +16,8 @@ import subprocess
 
 import pytest
 
-from helpers import (CHAPTERS, REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, max_difference,
-                     read_losses, read_metrics, run, script, train)
+from helpers import (CHAPTERS, REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script,
+                     max_difference, read_losses, read_metrics, run, script, train)
 
 README = REPO / CHAPTERS["08"] / "README.md"
 STEPS, HALF = 6, 3
@@ -96,10 +96,12 @@ def test_every_schedule_and_layout_matches_one_process_with_the_same_global_batc
           f"norms {min(r['grad_norm'] for r in records):.2f} to {max(r['grad_norm'] for r in records):.2f})")
     pp = int(LAYOUTS[case][1][1])
     assert f"device mesh: {{'pp': {pp}, 'dp': {LAYOUTS[case][0] // pp}}}" in result.stdout
-    # Clipping binds at every step, and the norm is the whole model's: chapter 01's. (FSDP over 2 ranks alone, as
-    # in chapter 04, already moves the norm by ~2e-5 of itself; one stage's norm would be ~30% off.)
+    # Clipping binds at every step, and the norm is the whole model's: chapter 01's. FSDP over 2 ranks alone (as in
+    # chapter 04) moves it by ~1e-5 of itself at step 1 and ~1e-4 by step 6: fp32 sums of squares of 1M-element
+    # gradients, added in another order. One stage's own norm is far off: at step 1 stage 0's is 15% below the
+    # whole model's, stage 1's 47%.
     assert all(record["grad_norm"] > 2 * MAX_GRAD_NORM for record in records)
-    assert norm_difference <= 1e-4
+    assert norm_difference <= 3e-4
     # fp32 on the CPU: only the order of the floating-point sums differs (micro-batches, shards, stages).
     assert loss_difference <= 1e-5
     # AdamW divides by the root of the squared gradients, so a weight whose gradient is ~0 (a rare token's
@@ -207,35 +209,18 @@ def test_a_checkpoint_resumes_exactly_at_the_same_layout_at_another_pp_and_in_ch
         assert loss_difference <= 1e-5 and weight_difference <= 2e-4
 
 
-def tied_model(folder):
-    """The bundled tiny model with its output head tied to its input embeddings."""
-    shutil.copytree(TINY_MODEL, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    return folder
-
-
 BAD_LAYOUTS = {
     "pp not dividing the world": (2, ["--pp", "3"],
                                   "error: --pp 3 does not divide the world size 2; use a divisor of 2"),
     "micro-batches not dividing the batch": (None, ["--pp-microbatches", "3"],
                                              "error: --pp-microbatches 3 does not divide --batch-size 4; "
                                              "use a divisor of 4"),
-    "more stages than layers": (None, ["--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "5"],
-                                "error: 5 pipeline stages (--pp 1 x 5 per rank) for a model of 4 decoder layers"),
-    "several stages for a one-stage schedule": (None, ["--pp-schedule", "gpipe", "--pp-stages-per-rank", "2"],
-                                                "error: --pp-schedule gpipe runs one stage per rank, not "
-                                                "--pp-stages-per-rank 2; use --pp-schedule interleaved-1f1b"),
-    "tied embeddings across stages": (None, ["--pp-schedule", "interleaved-1f1b", "-m", "tied"],
-                                      "error: the model ties its output head to its input embeddings "
-                                      "(tie_word_embeddings), and the first and last pipeline stages cannot share"),
 }
 
 
 @pytest.mark.parametrize("case", BAD_LAYOUTS)
-def test_a_layout_that_cannot_be_made_gets_a_one_line_error(env, tmp_path, case):
+def test_a_bad_pp_or_micro_batch_count_gets_a_one_line_error(env, tmp_path, case):
     nproc, flags, expected = BAD_LAYOUTS[case]
-    flags = [str(tied_model(tmp_path / "tied")) if flag == "tied" else flag for flag in flags]
     result, _ = train("08", env, tmp_path, *COMMON, *flags, nproc=nproc, check=False, timeout=180)
     assert result.returncode == 1
     if nproc is None:
@@ -245,3 +230,46 @@ def test_a_layout_that_cannot_be_made_gets_a_one_line_error(env, tmp_path, case)
         errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == nproc and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
+
+
+# The other layouts that cannot be made, checked by the script's own check_pipeline_layout(), which main() calls
+# before anything else uses the layout: (world size, flags, a change to the tiny model's config, the error).
+LAYOUT_ERRORS = {
+    "more stages than layers": (1, ["--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "5"], {},
+                                "5 pipeline stages (--pp 1 x 5 per rank) for a model of 4 decoder layers: every "
+                                "stage needs at least one; use fewer stages"),
+    "several stages for a one-stage schedule": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--pp-stages-per-rank",
+                                                    "2"], {},
+                                                "--pp-schedule gpipe runs one stage per rank, not "
+                                                "--pp-stages-per-rank 2; use --pp-schedule interleaved-1f1b"),
+    "one stage for the interleaved schedule": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                                   "--pp-stages-per-rank", "1"], {},
+                                               "--pp-schedule interleaved-1f1b interleaves several stages on each "
+                                               "rank, not --pp-stages-per-rank 1"),
+    "interleaved rounds": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5",
+                               "--batch-size", "10"], {},
+                           "--pp-schedule interleaved-1f1b runs the micro-batches in 2 equal rounds, which "
+                           "--pp-microbatches 5 cannot make"),
+    "tied embeddings across stages": (2, ["--pp", "2"], {"tie_word_embeddings": True},
+                                      "the model ties its output head to its input embeddings (tie_word_embeddings), "
+                                      "and the first and last pipeline stages cannot share one weight"),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUT_ERRORS)
+def test_every_layout_that_cannot_be_made_is_named(case, monkeypatch):
+    from transformers import AutoConfig
+
+    world_size, flags, config_changes, expected = LAYOUT_ERRORS[case]
+    chapter = load_script("08")
+    monkeypatch.setattr("sys.argv", ["train_llm.py", *flags])
+    args = chapter.parse_args()
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    with pytest.raises(SystemExit) as stopped:
+        chapter.check_pipeline_layout(args, world_size, config)
+    assert str(stopped.value).startswith(f"error: {expected}")
+    # The same layout with what is wrong taken away passes the check.
+    if config_changes:
+        chapter.check_pipeline_layout(args, world_size, AutoConfig.from_pretrained(TINY_MODEL))
