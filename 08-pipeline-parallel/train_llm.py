@@ -482,6 +482,10 @@ def check_pipeline_layout(args, world_size, config):
     if num_microbatches < 1 or args.batch_size % num_microbatches != 0:
         fail(f"--pp-microbatches {num_microbatches} does not divide --batch-size {args.batch_size}; use a divisor of "
              f"{args.batch_size} (or a --batch-size that it divides)")
+    # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward: there must be enough.
+    if args.pp_schedule == "1f1b" and num_microbatches < num_stages:
+        fail(f"--pp-schedule 1f1b needs at least one micro-batch per stage, {num_stages}, not --pp-microbatches "
+             f"{num_microbatches}; use more micro-batches (and a --batch-size they divide), or --pp-schedule gpipe")
     # NOTE: the interleaved schedule runs the micro-batches in rounds of up to --pp of them, all rounds equal.
     rounds = max(1, num_microbatches // args.pp)
     if not one_stage_per_rank and num_microbatches % rounds != 0:
@@ -1054,7 +1058,8 @@ class PipelineRecorder:
             self.saved_bytes[key] = self.saved_bytes.get(key, 0) + sum(storages.values())
             self.held_bytes += sum(storages.values())
             if self.held_bytes > self.peak_bytes:
-                self.peak_bytes, self.peak_microbatches = self.held_bytes, len(self.saved_bytes)
+                self.peak_bytes = self.held_bytes
+                self.peak_microbatches = len({microbatch for _, microbatch in self.saved_bytes})
 
     def timed_loss(self, loss_function):
         """The loss function, recorded as part of the last stage's forward of each micro-batch.

@@ -46,7 +46,8 @@ def main():
             for microbatches in args.microbatches:
                 results[schedule, microbatches] = measure(schedule, microbatches, args, Path(scratch))
     print_table(results, args.pp)
-    if args.figure_microbatches in args.microbatches:
+    if args.figure_microbatches in args.microbatches and not any(
+            "error" in results[schedule, args.figure_microbatches] for schedule in args.schedules):
         draw_timelines({schedule: results[schedule, args.figure_microbatches]["timeline"]
                         for schedule in args.schedules}, args.figure_microbatches, args.figure)
         print(f"\nwrote {args.figure.relative_to(REPO) if args.figure.is_relative_to(REPO) else args.figure}")
@@ -63,7 +64,13 @@ def measure(schedule, microbatches, args, scratch):
                "--wandb-mode", "disabled", "--save-dir", str(scratch), "-e", experiment]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(f"{schedule}, m = {microbatches} ...", file=sys.stderr, flush=True)
-    subprocess.run(command, check=True, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    result = subprocess.run(command, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        # NOTE: a layout the script refuses (1F1B with fewer micro-batches than stages) is a row of its own.
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        if not errors:
+            raise RuntimeError(f"{experiment} failed:\n{result.stderr[-3000:]}")
+        return {"error": errors[0]}
     records = [json.loads(line) for line in (scratch / experiment / "pipeline.jsonl").read_text().splitlines()]
     # NOTE: step 1 includes each stage's trial forward and backward (it learns the shapes it will send) and
     # step 2 the first optimizer steps' warm-up; the rest are steady.
@@ -91,14 +98,20 @@ def print_table(results, pp):
         f"rank {rank}: busy ms, idle ms, idle share" for rank in range(pp)) + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in range(pp)) + " |")
     for (schedule, microbatches), result in results.items():
+        if "error" in result:
+            print(f"| {schedule} | {microbatches} | | {result['error'].split(';')[0]} |")
+            continue
         stages_per_rank = len(result["stages"][0]["stages"])
         cells = [f"{stats['busy_ms']:.0f}, {stats['idle_ms']:.0f}, **{stats['idle_fraction']:.0%}**"
                  for stats in result["stages"].values()]
         print(f"| {schedule} | {microbatches} | {bubble_formula(pp, microbatches, stages_per_rank):.0%} | "
               + " | ".join(cells) + " |")
-    print("\n| schedule | m | " + " | ".join(f"rank {rank}: micro-batches held, MB" for rank in range(pp)) + " |")
+    print("\n| schedule | m | " + " | ".join(f"rank {rank}: micro-batches in flight, MB held" for rank in range(pp))
+          + " |")
     print("| --- | --- | " + " | ".join("---" for _ in range(pp)) + " |")
     for (schedule, microbatches), result in results.items():
+        if "error" in result:
+            continue
         cells = [f"{stats['peak_microbatches']}, {stats['peak_activations_mb']:.1f}"
                  for stats in result["stages"].values()]
         print(f"| {schedule} | {microbatches} | " + " | ".join(cells) + " |")
