@@ -9,9 +9,9 @@ On a machine without a GPU, 2 stages:
 
     torchrun --standalone --nproc-per-node 2 08-pipeline-parallel/train_llm.py --pp 2
 
-On 4 nodes of 8 GPUs, one stage per node (see chapter 03's job.sbatch for the launch):
+On 8 nodes of 8 GPUs, one stage per node (see chapter 03's job.sbatch for the launch):
 
-    torchrun --nnodes 4 --nproc-per-node 8 ... 08-pipeline-parallel/train_llm.py --pp 4 --pp-microbatches 8 -m meta-llama/Llama-3.1-70B -d tatsu-lab/alpaca -e llama-70b-pp
+    torchrun --nnodes 8 --nproc-per-node 8 ... 08-pipeline-parallel/train_llm.py --pp 8 --seq-length 1024 --batch-size 16 -m meta-llama/Llama-3.1-70B -d tatsu-lab/alpaca -e llama-70b-pp
 """
 
 import argparse
@@ -1127,18 +1127,24 @@ def gather_pipeline_stats(recorder, timer, rank, pp_rank, dp_rank):
 
 def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
     """Log each stage's idle share of the step and its peak activations, write the step's timeline of every rank to
-    pipeline.jsonl, and return the idle share averaged over the pipeline's ranks (of the first pipeline)."""
+    pipeline.jsonl, and return the idle share averaged over the ranks of the first pipeline.
+
+    NOTE: a stage's own time in the schedule is not the pipeline's: the last stage leaves as soon as its last
+    backward is done, and waits for the first stage's last backward in the next collective (the gradient norm's).
+    The pipeline's step lasts as long as its longest rank's schedule, the first stage's; each stage is idle for
+    that time minus its own computations.
+    """
     first_pipeline = [stats for stats in all_stats if stats["dp_rank"] == 0]
-    idle_fractions = [1 - stats["busy_ms"] / stats["pipeline_ms"] for stats in first_pipeline]
-    LOGGER.info(f"pipeline {args.pp_schedule}, {num_microbatches} micro-batches: " + "; ".join(
-        f"stages {stats['stages']} busy {stats['busy_ms']:.0f} ms, idle {stats['pipeline_ms'] - stats['busy_ms']:.0f} "
-        f"ms ({idle:.0%}), activations held at most {stats['peak_activations_mb']:.1f} MB "
+    pipeline_ms = max(stats["pipeline_ms"] for stats in first_pipeline)
+    idle_fractions = [1 - stats["busy_ms"] / pipeline_ms for stats in first_pipeline]
+    LOGGER.info(f"pipeline {args.pp_schedule}, {num_microbatches} micro-batches, {pipeline_ms:.0f} ms: " + "; ".join(
+        f"stages {stats['stages']} busy {stats['busy_ms']:.0f} ms, idle {pipeline_ms - stats['busy_ms']:.0f} ms "
+        f"({idle:.0%}), activations held at most {stats['peak_activations_mb']:.1f} MB "
         f"({stats['peak_microbatches']} micro-batches)" for stats, idle in zip(first_pipeline, idle_fractions)))
     pipeline_file.write(json.dumps({"step": step, "schedule": args.pp_schedule, "pp": args.pp,
                                     "microbatches": num_microbatches, "ranks": all_stats}) + "\n")
     pipeline_file.flush()
     return sum(idle_fractions) / len(idle_fractions)
-
 
 if __name__ == "__main__":
     main()

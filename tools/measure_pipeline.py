@@ -16,6 +16,7 @@ and a stage that waits for a CPU core looks busy, not idle.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -38,13 +39,15 @@ def main():
     parser.add_argument("--steps", type=int, default=6, help="steps per run; the first two are not measured")
     parser.add_argument("--figure-microbatches", type=int, default=4, help="the m of the timeline picture")
     parser.add_argument("--figure", type=Path, default=FIGURE)
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep the runs' experiment folders (their pipeline.jsonl) here instead of deleting them")
     args = parser.parse_args()
 
     results = {}
     with tempfile.TemporaryDirectory() as scratch:
         for schedule in args.schedules:
             for microbatches in args.microbatches:
-                results[schedule, microbatches] = measure(schedule, microbatches, args, Path(scratch))
+                results[schedule, microbatches] = measure(schedule, microbatches, args, args.keep or Path(scratch))
     print_table(results, args.pp)
     if args.figure_microbatches in args.microbatches and not any(
             "error" in results[schedule, args.figure_microbatches] for schedule in args.schedules):
@@ -57,6 +60,8 @@ def measure(schedule, microbatches, args, scratch):
     """Train args.steps steps with this schedule and return each pp rank's figures, averaged over the measured
     steps, and the timeline of the last step."""
     experiment = f"{schedule}-m{microbatches}"
+    # NOTE: a folder left by an earlier measurement would be resumed from, not measured again.
+    shutil.rmtree(scratch / experiment, ignore_errors=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.pp),
                str(SCRIPT), "--pp", str(args.pp), "--pp-schedule", schedule, "--pp-microbatches", str(microbatches),
                "--batch-size", str(args.batch_size), "--seq-length", str(args.seq_length),
@@ -75,13 +80,14 @@ def measure(schedule, microbatches, args, scratch):
     # NOTE: step 1 includes each stage's trial forward and backward (it learns the shapes it will send) and
     # step 2 the first optimizer steps' warm-up; the rest are steady.
     measured = records[2:]
+    # NOTE: as the script logs it: the pipeline's step lasts as long as its longest rank's schedule.
+    step_ms = sum(max(stats["pipeline_ms"] for stats in record["ranks"]) for record in measured) / len(measured)
     stages = {}
     for pp_rank in range(args.pp):
         per_step = [next(stats for stats in record["ranks"] if stats["pp_rank"] == pp_rank) for record in measured]
         busy = sum(stats["busy_ms"] for stats in per_step) / len(per_step)
-        total = sum(stats["pipeline_ms"] for stats in per_step) / len(per_step)
-        stages[pp_rank] = {"stages": per_step[-1]["stages"], "busy_ms": busy, "idle_ms": total - busy,
-                           "idle_fraction": 1 - busy / total, "peak_microbatches": per_step[-1]["peak_microbatches"],
+        stages[pp_rank] = {"stages": per_step[-1]["stages"], "busy_ms": busy, "idle_ms": step_ms - busy,
+                           "idle_fraction": 1 - busy / step_ms, "peak_microbatches": per_step[-1]["peak_microbatches"],
                            "peak_activations_mb": per_step[-1]["peak_activations_mb"]}
     timeline = {pp_rank: next(stats for stats in records[-1]["ranks"] if stats["pp_rank"] == pp_rank)["events"]
                 for pp_rank in range(args.pp)}
