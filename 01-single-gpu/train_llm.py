@@ -68,13 +68,9 @@ def main():
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
+    # NOTE: fused=True runs AdamW's whole update as one kernel per group of tensors, on the GPU and on the CPU alike.
+    adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps)
@@ -84,7 +80,7 @@ def main():
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
     checkpoint_dir = find_latest_checkpoint(experiment_dir)
     if checkpoint_dir is not None:
-        train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
+        train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, device)
         LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
 
     # 5. Experiment tracking: wandb (online if you are logged in, offline otherwise) and metrics.jsonl.
@@ -119,9 +115,13 @@ def main():
             for _ in range(args.grad_accum):
                 with timer("data"):
                     input_ids = next(micro_batches).to(device, non_blocking=True)
+                    attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                 with timer("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                     # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
-                    loss = model(input_ids=input_ids, labels=input_ids).loss / args.grad_accum
+                    # use_cache=False: no KV cache. Only generation needs one; in training it would keep every
+                    # layer's keys and values alive (twice, for a layer that activation checkpointing recomputes).
+                    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False,
+                                 **attention_kwargs).loss / args.grad_accum
                 with timer("backward"):
                     loss.backward()
                 # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
@@ -280,6 +280,23 @@ def check_attention_implementation(attn_implementation, device):
     if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
         fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
              "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
+
+
+def get_attention_kwargs(attn_implementation, input_ids):
+    """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
+
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
+    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
+    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
+    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
+    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    """
+    if attn_implementation != "flash_attention_2":
+        return {}
+    batch_size, seq_length = input_ids.shape
+    boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
+    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
+            "max_length_k": seq_length}
 
 
 @torch.no_grad()
@@ -441,6 +458,10 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
         temporary_dir / "train_state.pt",
     )
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
+    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
+    # which saves that tokenizer next to the weights.
+    model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
+    (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(temporary_dir, final_dir)
     for old_dir in experiment_dir.glob("checkpoint-*"):
@@ -449,12 +470,15 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     LOGGER.info(f"saved {final_dir}")
 
 
-def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, device):
     check_checkpoint_matches_model(checkpoint_dir, config)
     # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
-    model.load_state_dict(torch.load(checkpoint_dir / "model.pt", weights_only=True))
-    optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", weights_only=True))
-    train_state = torch.load(checkpoint_dir / "train_state.pt", weights_only=True)
+    # Without map_location, torch.load puts every tensor back on the device it was saved from: for a checkpoint
+    # written by rank 0 of a GPU job, cuda:0, so all 8 processes of a node would load the whole model and optimizer
+    # state onto GPU 0. The weights and moments go to this process's device, the RNG states (CPU tensors) to the CPU.
+    model.load_state_dict(torch.load(checkpoint_dir / "model.pt", map_location=device, weights_only=True))
+    optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True))
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state
@@ -471,14 +495,16 @@ def check_checkpoint_matches_model(checkpoint_dir, config):
              "use another --experiment-name or --save-dir, or the model it was trained with")
 
 
+# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
+# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
 def get_rng_state():
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(rng_state):
     torch.set_rng_state(rng_state["cpu"])
-    if rng_state["cuda"]:
-        torch.cuda.set_rng_state_all(rng_state["cuda"])
+    if torch.is_tensor(rng_state["cuda"]) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng_state["cuda"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -514,7 +540,8 @@ def get_flops_per_token(model, config, seq_length):
     if not config.tie_word_embeddings:
         num_params -= model.get_input_embeddings().weight.numel()
     num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = config.hidden_size // num_heads
+    # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
 
 
@@ -526,6 +553,7 @@ PEAK_BF16_FLOPS = {
     "H100": 989e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "A10G": 70e12,
     "B200": 2250e12,
@@ -537,9 +565,10 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    for gpu, flops in PEAK_BF16_FLOPS.items():
+    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40", "H100 NVL" contains "H100".
+    for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
-            return flops
+            return PEAK_BF16_FLOPS[gpu]
     LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
     return None
 

@@ -14,6 +14,7 @@ On one node with 8 GPUs:
 
 import argparse
 import contextlib
+import datetime
 import importlib.util
 import json
 import logging
@@ -54,13 +55,15 @@ def main():
     setup_logging(rank)
     LOGGER.info(f"arguments: {vars(args)}")
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    # NOTE: how long a collective waits for the other ranks before the job fails. The default depends on the
+    # backend string (10 minutes for "nccl", 30 for "gloo" and for chapter 04's "cuda:nccl,cpu:gloo"), so say it.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    device = get_device(local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
-        device = torch.device("cpu")
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", timeout=timeout)
     dtype = get_compute_dtype(args.dtype, device)
     LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
     experiment_dir = Path(args.save_dir) / args.experiment_name
@@ -92,25 +95,14 @@ def main():
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
+    # NOTE: fused=True runs AdamW's whole update as one kernel per group of tensors, on the GPU and on the CPU alike.
+    adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     if args.zero1:
         # NOTE: ZeRO-1: each rank keeps the AdamW moments of 1/world_size of the parameters, updates only those,
         # and broadcasts the updated parameters to the other ranks.
-        optimizer = ZeroRedundancyOptimizer(
-            model.parameters(),
-            optimizer_class=torch.optim.AdamW,
-            lr=args.lr,
-            betas=(0.9, 0.95),
-            weight_decay=args.weight_decay,
-            fused=device.type == "cuda",
-        )
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **adamw_options)
     else:
-        optimizer = torch.optim.AdamW(
-            model.parameters(),
-            lr=args.lr,
-            betas=(0.9, 0.95),
-            weight_decay=args.weight_decay,
-            fused=device.type == "cuda",
-        )
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps)
@@ -118,9 +110,9 @@ def main():
 
     # 4. Resume: if the experiment directory holds a checkpoint, training continues from it.
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
-    checkpoint_dir = find_latest_checkpoint(experiment_dir)
+    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is not None:
-        train_state = load_checkpoint(checkpoint_dir, model.module, optimizer, lr_scheduler, config)
+        train_state = load_checkpoint(checkpoint_dir, model.module, optimizer, lr_scheduler, config, device)
         LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
 
     # 5. Experiment tracking: wandb (online if you are logged in, offline otherwise) and metrics.jsonl, on rank 0.
@@ -158,13 +150,17 @@ def main():
             for micro_step in range(args.grad_accum):
                 with timer("data"):
                     input_ids = next(micro_batches).to(device, non_blocking=True)
+                    attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                 # NOTE: gradients only need averaging across ranks once per optimizer step. no_sync() skips the
                 # all-reduce in the backward passes of the other micro-batches; the last one reduces the sum.
                 is_last_micro_step = micro_step == args.grad_accum - 1
                 with contextlib.nullcontext() if is_last_micro_step else model.no_sync():
                     with timer("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                         # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
-                        loss = model(input_ids=input_ids, labels=input_ids).loss / args.grad_accum
+                        # use_cache=False: no KV cache. Only generation needs one; in training it would keep every
+                        # layer's keys and values alive (twice, for a layer that activation checkpointing recomputes).
+                        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False,
+                                     **attention_kwargs).loss / args.grad_accum
                     with timer("backward"):
                         loss.backward()
                 # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
@@ -272,13 +268,16 @@ def get_parser():
     parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
                         help="default: online if you are logged in to wandb, offline otherwise")
     parser.add_argument("--wandb-project", default="distributed-training-guide")
+    parser.add_argument("--dist-timeout", type=int, default=600,
+                        help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
+                             "the process group's timeout, the same for every backend")
     return parser
 
 
 def parse_args():
     args = get_parser().parse_args()
     for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
-                 "ckpt_freq"]:
+                 "ckpt_freq", "dist_timeout"]:
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -301,6 +300,22 @@ def setup_logging(rank):
     )
 
 
+def get_device(local_rank):
+    """This process's GPU, or the CPU.
+
+    NOTE: a launcher that binds one GPU to each process (Slurm's --gpus-per-task=1, a site's GPU binding) leaves
+    every process seeing a single GPU, cuda:0, whatever its local rank: cuda:LOCAL_RANK would be an invalid device.
+    The local rank picks the GPU only where the process sees several.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    num_gpus = torch.cuda.device_count()
+    if num_gpus > 1 and local_rank >= num_gpus:
+        fail(f"local rank {local_rank} but this process sees only {num_gpus} GPUs (CUDA_VISIBLE_DEVICES="
+             f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per GPU on each node")
+    return torch.device("cuda", local_rank if num_gpus > 1 else 0)
+
+
 def get_compute_dtype(name, device):
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -313,12 +328,17 @@ def rank_zero_first():
 
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
     everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
+    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
+    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
+    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
     """
+    waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     if dist.get_rank() != 0:
-        dist.barrier()
+        dist.barrier(group=waiting_group)
     yield
     if dist.get_rank() == 0:
-        dist.barrier()
+        dist.barrier(group=waiting_group)
+    dist.destroy_process_group(waiting_group)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -346,6 +366,23 @@ def check_attention_implementation(attn_implementation, device):
     if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
         fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
              "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
+
+
+def get_attention_kwargs(attn_implementation, input_ids):
+    """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
+
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
+    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
+    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
+    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
+    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    """
+    if attn_implementation != "flash_attention_2":
+        return {}
+    batch_size, seq_length = input_ids.shape
+    boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
+    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
+            "max_length_k": seq_length}
 
 
 @torch.no_grad()
@@ -492,6 +529,18 @@ def find_latest_checkpoint(experiment_dir):
     return checkpoints[-1] if checkpoints else None
 
 
+def find_latest_checkpoint_on_rank_zero(experiment_dir):
+    """The latest checkpoint as rank 0 finds it, on every rank.
+
+    NOTE: on a shared file system (NFS, Lustre) a node's directory listing can be tens of seconds old, and a
+    restarted job lists the folder seconds after the last save: ranks that each looked for themselves could resume
+    from different checkpoints, or from one just deleted. One rank looks, and every rank takes its answer.
+    """
+    choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
 def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):
     """Save everything needed to continue exactly: weights, optimizer moments, schedule, RNG, data position.
 
@@ -523,6 +572,10 @@ def write_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state
         temporary_dir / "train_state.pt",
     )
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
+    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
+    # which saves that tokenizer next to the weights.
+    model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
+    (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(temporary_dir, final_dir)
     for old_dir in experiment_dir.glob("checkpoint-*"):
@@ -531,12 +584,15 @@ def write_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state
     LOGGER.info(f"saved {final_dir}")
 
 
-def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, device):
     check_checkpoint_matches_model(checkpoint_dir, config)
     # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
-    model.load_state_dict(torch.load(checkpoint_dir / "model.pt", weights_only=True))
-    optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", weights_only=True))
-    train_state = torch.load(checkpoint_dir / "train_state.pt", weights_only=True)
+    # Without map_location, torch.load puts every tensor back on the device it was saved from: for a checkpoint
+    # written by rank 0 of a GPU job, cuda:0, so all 8 processes of a node would load the whole model and optimizer
+    # state onto GPU 0. The weights and moments go to this process's device, the RNG states (CPU tensors) to the CPU.
+    model.load_state_dict(torch.load(checkpoint_dir / "model.pt", map_location=device, weights_only=True))
+    optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True))
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state
@@ -553,14 +609,16 @@ def check_checkpoint_matches_model(checkpoint_dir, config):
              "use another --experiment-name or --save-dir, or the model it was trained with")
 
 
+# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
+# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
 def get_rng_state():
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(rng_state):
     torch.set_rng_state(rng_state["cpu"])
-    if rng_state["cuda"]:
-        torch.cuda.set_rng_state_all(rng_state["cuda"])
+    if torch.is_tensor(rng_state["cuda"]) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng_state["cuda"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -596,7 +654,8 @@ def get_flops_per_token(model, config, seq_length):
     if not config.tie_word_embeddings:
         num_params -= model.get_input_embeddings().weight.numel()
     num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = config.hidden_size // num_heads
+    # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
 
 
@@ -608,6 +667,7 @@ PEAK_BF16_FLOPS = {
     "H100": 989e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "A10G": 70e12,
     "B200": 2250e12,
@@ -619,9 +679,10 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    for gpu, flops in PEAK_BF16_FLOPS.items():
+    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40", "H100 NVL" contains "H100".
+    for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
-            return flops
+            return PEAK_BF16_FLOPS[gpu]
     LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
     return None
 

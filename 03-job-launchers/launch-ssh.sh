@@ -55,12 +55,13 @@ EXP=${EXP//[^A-Za-z0-9_-]/_}
 # A fresh rendezvous id per launch, shared by all hosts: a stale run's state is never joined.
 RDZV_ID=${RDZV_ID:-$EXP-$(date +%Y%m%d%H%M%S)}
 
-# Variables to copy to the remote side, if they are set here.
-ENV_VARS="PYTHONPATH HF_HOME HF_TOKEN WANDB_API_KEY WANDB_MODE OMP_NUM_THREADS CUDA_VISIBLE_DEVICES
-          NCCL_DEBUG NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME ${FORWARD_ENV:-}"
+# Variables to copy to the remote side, if they are set here: these, FORWARD_ENV's, and every HF_*, NCCL_* and
+# WANDB_* variable (the Hugging Face cache and token, NCCL's and wandb's settings). mpirun.sh forwards the same.
+ENV_VARS="PYTHONPATH OMP_NUM_THREADS CUDA_VISIBLE_DEVICES GLOO_SOCKET_IFNAME ${FORWARD_ENV:-}
+          $(compgen -e | grep -E '^(HF|NCCL|WANDB)_' || true)"
 ENV_ASSIGN=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)   # reliable elastic restarts (see job.sbatch)
 for v in $ENV_VARS; do
-    if [ -n "${!v+set}" ]; then ENV_ASSIGN+=("$v=${!v}"); fi
+    if [ -n "${!v+set}" ] && [[ " ${ENV_ASSIGN[*]%%=*} " != *" $v "* ]]; then ENV_ASSIGN+=("$v=${!v}"); fi
 done
 
 for i in "${!LINES[@]}"; do

@@ -2,7 +2,8 @@
 # Launch train_llm.py with Open MPI's mpirun: one process per slot of the hosts file.
 # mpirun only starts the processes (over ssh on other hosts); the training itself still uses
 # torch.distributed. Each process finds its rank in OMPI_COMM_WORLD_RANK / _SIZE / _LOCAL_RANK,
-# and the rendezvous in MASTER_ADDR/MASTER_PORT, which this script sets and forwards with -x.
+# and the rendezvous in MASTER_ADDR/MASTER_PORT, which this script sets and forwards with -x,
+# with the variables of your shell that training reads (see FORWARDED_ENV below).
 #
 # Usage (from anywhere): 03-job-launchers/mpirun.sh [HOSTS_FILE] [train_llm.py args...]
 #   03-job-launchers/mpirun.sh -e my-run --max-steps 100          # the hosts file next to this script
@@ -16,7 +17,8 @@
 #   NP           number of processes (default: the sum of the slots in HOSTFILE)
 #   MASTER_ADDR  rendezvous host (default: first host of HOSTFILE), MASTER_PORT (default 29500)
 #   MPIRUN_ARGS  extra mpirun options, split on spaces (e.g. "--allow-run-as-root --oversubscribe
-#                --tag-output -x WANDB_API_KEY")
+#                --tag-output")
+#   FORWARD_ENV  names of extra variables to forward, as in launch-ssh.sh
 #   PYTHON       interpreter (default: the python on your PATH, as an absolute path)
 #   TRAIN_ARGS   extra train_llm.py flags, split on spaces, placed before your own arguments
 # Other hosts need passwordless ssh from this one, Open MPI installed, and the same paths
@@ -44,9 +46,21 @@ export MASTER_PORT=${MASTER_PORT:-29500}
 # mpirun does not set this (torchrun does): one thread per process, so N processes don't fight
 # over the cores. Raise it when each process has several cores to itself.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# mpirun gives the remote processes only the variables -x names. Forward those training reads, if set here, as
+# launch-ssh.sh does: the Hugging Face cache and token, NCCL's and wandb's settings (every HF_*, NCCL_* and
+# WANDB_* variable), the interfaces and GPUs to use, PYTHONPATH, and FORWARD_ENV's names.
+FORWARDED_ENV=(MASTER_ADDR MASTER_PORT OMP_NUM_THREADS PATH)
+# shellcheck disable=SC2086
+for name in PYTHONPATH CUDA_VISIBLE_DEVICES GLOO_SOCKET_IFNAME ${FORWARD_ENV:-} \
+            $(compgen -e | grep -E '^(HF|NCCL|WANDB)_' || true); do
+    if [ -n "${!name+set}" ] && [[ " ${FORWARDED_ENV[*]} " != *" $name "* ]]; then FORWARDED_ENV+=("$name"); fi
+done
+X_FLAGS=()
+for name in "${FORWARDED_ENV[@]}"; do X_FLAGS+=(-x "$name"); done
 # shellcheck disable=SC2086
 set -- ${TRAIN_ARGS:-} "$@"
-echo "mpirun: $NP processes from $HOSTFILE, master $MASTER_ADDR:$MASTER_PORT, args: $*" >&2
+echo "mpirun: $NP processes from $HOSTFILE, master $MASTER_ADDR:$MASTER_PORT, forwarding ${FORWARDED_ENV[*]}," \
+     "args: $*" >&2
 
 # -x NAME           copy that environment variable to every process (local and remote)
 # --bind-to none    Open MPI pins each process to one core by default; a PyTorch process wants
@@ -54,6 +68,6 @@ echo "mpirun: $NP processes from $HOSTFILE, master $MASTER_ADDR:$MASTER_PORT, ar
 # shellcheck disable=SC2086
 exec mpirun -np "$NP" --hostfile "$HOSTFILE" \
     --bind-to none \
-    -x MASTER_ADDR -x MASTER_PORT -x OMP_NUM_THREADS -x PATH \
+    "${X_FLAGS[@]}" \
     ${MPIRUN_ARGS:-} \
     "$PYTHON" "$TRAIN_SCRIPT" "$@"

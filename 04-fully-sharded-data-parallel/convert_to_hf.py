@@ -2,16 +2,18 @@
 
 A checkpoint of this chapter is one file of shards per rank, written by torch.distributed.checkpoint (DCP). This
 script reads the weights (not the optimizer state) into one whole model, in a single process, and saves them with
-save_pretrained(): config.json, model.safetensors, and the tokenizer of the model the run started from.
+save_pretrained(): config.json, model.safetensors, and the tokenizer of the model the run started from (the -m the
+checkpoint records in model_source.json).
 
     python 04-fully-sharded-data-parallel/convert_to_hf.py outputs/quickstart
     python 04-fully-sharded-data-parallel/convert_to_hf.py outputs/llama-8b-fsdp/checkpoint-00000200 \\
-        -m meta-llama/Llama-3.1-8B -o llama-8b-trained --dtype bfloat16
+        -o llama-8b-trained --dtype bfloat16
 
 It needs the whole model in CPU memory: 4 bytes per parameter in float32, 2 in bfloat16.
 """
 
 import argparse
+import json
 import warnings
 from pathlib import Path
 
@@ -20,14 +22,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
 
 def main():
     args = get_parser().parse_args()
     checkpoint_dir = find_checkpoint(Path(args.checkpoint))
     output_dir = Path(args.output_dir or checkpoint_dir.parent / f"hf-{checkpoint_dir.name}")
-    tokenizer = load_tokenizer(args.model_name)
+    tokenizer = load_tokenizer(args.model_name or recorded_model_name(checkpoint_dir))
 
     # NOTE: the architecture comes from the checkpoint itself, so the weights and their shapes always agree. The
     # model is built on the meta device (no memory, no random initialization) and then given empty CPU storage
@@ -49,6 +49,13 @@ def main():
         cause = str(error).strip().splitlines()[-1]
         fail(f"cannot read the weights of {checkpoint_dir} ({cause}); its files are damaged, or do not match its "
              "model_config.json")
+    # NOTE: to_empty() gave a tied head (tie_word_embeddings) a tensor of its own, which dcp.load() filled from the
+    # checkpoint's copy of the matrix. Tied again, save_pretrained() writes the matrix once, as Hugging Face stores
+    # tied models. A checkpoint whose two matrices differ was trained untied: both are saved, and from_pretrained()
+    # loads them untied, with a warning.
+    if config.tie_word_embeddings and torch.equal(model.get_input_embeddings().weight,
+                                                  model.get_output_embeddings().weight):
+        model.tie_weights()
 
     # NOTE: save_pretrained() skips non-persistent buffers (the rotary inv_freq that to_empty() left empty), and
     # from_pretrained() computes them afresh, so only trained weights go into the file.
@@ -65,8 +72,9 @@ def get_parser():
     parser.add_argument("checkpoint",
                         help="a checkpoint folder (outputs/EXPERIMENT/checkpoint-XXXXXXXX), or an experiment folder "
                              "(outputs/EXPERIMENT) to convert its latest checkpoint")
-    parser.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
-                        help="the -m the run was trained with: its tokenizer is saved next to the weights")
+    parser.add_argument("-m", "--model-name", default=None,
+                        help="where the tokenizer saved next to the weights comes from (default: the -m the run was "
+                             "trained with, recorded in the checkpoint's model_source.json)")
     parser.add_argument("-o", "--output-dir", default=None,
                         help="where to save the model, if not next to the checkpoint as hf-checkpoint-XXXXXXXX")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -98,6 +106,14 @@ def find_checkpoint(path):
         fail(f"{path} is not a complete checkpoint (no {' or '.join(missing)}); pass a checkpoint-XXXXXXXX folder "
              "that train_llm.py finished writing, or its experiment folder")
     return path
+
+
+def recorded_model_name(checkpoint_dir):
+    source_file = checkpoint_dir / "model_source.json"
+    if not source_file.is_file():
+        fail(f"{checkpoint_dir} does not record the model it was trained from (no model_source.json, an older "
+             "checkpoint); pass -m the model the run was trained with")
+    return json.loads(source_file.read_text())["model_name"]
 
 
 def load_tokenizer(model_name):

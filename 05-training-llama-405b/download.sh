@@ -1,7 +1,8 @@
 #!/bin/bash
 # Download a model from the Hugging Face hub into a folder every node can read, before the job starts: only what
 # training needs (config, tokenizer, *.safetensors weights), the same files train_llm.py fetches for a hub name.
-# Llama 3.1 405B's repository holds its weights twice; original/ (Meta's own format, another 800 GB) is skipped.
+# Llama 3.1 405B's repository holds its weights twice; original/ (Meta's own format, another 800 GB) is skipped, and
+# so are Mistral's consolidated*.safetensors (the weights again, under Mistral's names), which train_llm.py ignores.
 #
 # Usage:
 #   05-training-llama-405b/download.sh MODEL [PARENT_DIR]       # into PARENT_DIR/<name>, default /shared/models
@@ -18,5 +19,5 @@ DEST=${2:-/shared/models}/${MODEL##*/}
 
 hf download "$MODEL" --local-dir "$DEST" \
     --include "*.json" --include "*.safetensors" --include "tokenizer*" \
-    --exclude "original/*"
+    --exclude "original/*" --exclude "consolidated*.safetensors"
 echo "downloaded $MODEL into $DEST; pass -m $DEST to train_llm.py" >&2

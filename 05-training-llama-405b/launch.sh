@@ -29,6 +29,8 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
 # local data set too (see README.md). HF_HUB_OFFLINE=0 allows downloads again.
 export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 # The tokenized data set is cached in HF_HOME: on a shared file system, rank 0 tokenizes and everyone reads it.
-export FORWARD_ENV="${FORWARD_ENV:-} PYTORCH_CUDA_ALLOC_CONF HF_HUB_OFFLINE NCCL_IB_HCA"
+# launch-ssh.sh sends every HF_*, NCCL_* and WANDB_* variable (HF_HUB_OFFLINE, HF_HOME, NCCL_IB_HCA, ...) and
+# OMP_NUM_THREADS itself; the allocator setting is added to its list.
+export FORWARD_ENV="${FORWARD_ENV:-} PYTORCH_CUDA_ALLOC_CONF"
 
 TRAIN_SCRIPT=$HERE/train_llm.py exec "$HERE/../03-job-launchers/launch-ssh.sh" "$@"

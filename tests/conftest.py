@@ -1,9 +1,11 @@
+import json
 import os
+import shutil
 import uuid
 
 import pytest
 
-from helpers import processes_with_marker
+from helpers import TINY_MODEL, processes_with_marker
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +37,16 @@ def env(session_dir):
     }
     yield environment
     assert not processes_with_marker(marker), "the test left processes running"
+
+
+@pytest.fixture(scope="session")
+def tied_model(session_dir):
+    """The bundled tiny model with tie_word_embeddings true: one matrix is both the input embedding and the output
+    head, as in Llama 3.2 1B and 3B and the small Qwen2.5 models."""
+    folder = session_dir / "tiny-llama-tied"
+    if not folder.exists():
+        shutil.copytree(TINY_MODEL, folder)
+        config = json.loads((folder / "config.json").read_text())
+        config["tie_word_embeddings"] = True
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

@@ -123,6 +123,13 @@ def read_losses(experiment_dir):
     return [record["loss"] for record in read_metrics(experiment_dir)]
 
 
+def logged_parameter_count(result):
+    """The parameter count a run logged ('model: 4.2M parameters, 4 layers'), as the text it logged ("4.2M")."""
+    import re
+
+    return re.search(r"INFO model: ([\d.]+M) parameters", result.stdout).group(1)
+
+
 def max_difference(losses_a, losses_b):
     assert len(losses_a) == len(losses_b), f"{len(losses_a)} vs {len(losses_b)} steps"
     return max(abs(a - b) for a, b in zip(losses_a, losses_b))
@@ -158,8 +165,8 @@ def largest_weight_difference(checkpoint_a, checkpoint_b):
     """The largest absolute difference between the weights (model.pt) of two checkpoints of the same model."""
     import torch
 
-    weights_a = torch.load(Path(checkpoint_a) / "model.pt", weights_only=True)
-    weights_b = torch.load(Path(checkpoint_b) / "model.pt", weights_only=True)
+    weights_a = torch.load(Path(checkpoint_a) / "model.pt", map_location="cpu", weights_only=True)
+    weights_b = torch.load(Path(checkpoint_b) / "model.pt", map_location="cpu", weights_only=True)
     assert weights_a.keys() == weights_b.keys(), f"different tensors: {sorted(weights_a.keys() ^ weights_b.keys())}"
     return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
 
@@ -244,10 +251,10 @@ def checkpoint_weights(checkpoint_dir, scratch_dir):
 
     checkpoint_dir = Path(checkpoint_dir)
     if (checkpoint_dir / "model.pt").exists():
-        return torch.load(checkpoint_dir / "model.pt", weights_only=True)
+        return torch.load(checkpoint_dir / "model.pt", map_location="cpu", weights_only=True)
     gathered = Path(scratch_dir) / f"{checkpoint_dir.parent.name}-{checkpoint_dir.name}.pt"
     dcp_to_torch_save(checkpoint_dir, gathered)
-    return torch.load(gathered, weights_only=True)["model"]
+    return torch.load(gathered, map_location="cpu", weights_only=True)["model"]
 
 
 def train_with_a_restart(chapter, env, workdir, *args, stop_after, nproc=None, experiment="resumed"):

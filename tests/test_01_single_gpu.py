@@ -7,8 +7,9 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
 
-from helpers import REPO, TINY_MODEL, error_line, max_difference, read_losses, run, script, train
+from helpers import REPO, TINY_MODEL, error_line, load_script, max_difference, read_losses, run, script, train
 
 FAULTS = REPO / "tests" / "faults"
 
@@ -52,6 +53,82 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(env, tmp_path):
     result, resumed = train("01", env, tmp_path, "--max-steps", "8", experiment="crashed")
     assert "resumed from" in result.stdout and "checkpoint-00000004" in result.stdout
     assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
+
+
+def test_a_checkpoint_saved_on_gpu_0_resumes_on_this_device(env, tmp_path, monkeypatch):
+    # A GPU run's checkpoint: every tensor of model.pt and optimizer.pt tagged cuda:0 when it is written, as rank 0
+    # of a GPU job writes them. torch.load restores a tensor to the device of its tag unless told otherwise: on a
+    # GPU node every rank would fill GPU 0, and here, with no GPU at all, the load fails.
+    _, experiment = train("01", env, tmp_path, "--max-steps", "4", "--exit-after-steps", "2")
+    monkeypatch.setattr(torch.serialization, "_package_registry", list(torch.serialization._package_registry))
+    torch.serialization.register_package(0, lambda storage: "cuda:0", lambda storage, location: None)
+    for name in ["model.pt", "optimizer.pt"]:
+        path = experiment / "checkpoint-00000002" / name
+        torch.save(torch.load(path, map_location="cpu", weights_only=True), path)
+    assert b"cuda:0" in (experiment / "checkpoint-00000002" / "model.pt").read_bytes()
+    result, _ = train("01", env, tmp_path, "--max-steps", "4")
+    assert "resumed from" in result.stdout and "done: step 4 of 4" in result.stdout
+
+
+def test_training_builds_no_kv_cache(env, tmp_path):
+    # A KV cache (DynamicCache) only serves generation. The fault kills the process as soon as one is built, which
+    # a Hugging Face model does in every forward pass unless it is called with use_cache=False.
+    fault_env = {**env, "PYTHONPATH": str(FAULTS),
+                 "FAULT_KILL_ON_CALL": "transformers.cache_utils.DynamicCache.__init__:1"}
+    result, _ = train("01", fault_env, tmp_path, "--max-steps", "2", check=False)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    assert "done: step 2 of 2" in result.stdout
+
+
+def test_flops_per_token_use_the_head_dim_of_the_config():
+    # Qwen3-style heads that are not hidden_size / heads wide (32, not 16), as Qwen3-32B's (128, not 5120 / 64) are.
+    chapter = load_script("01")
+    config = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    matmul_weights = sum(p.numel() for p in model.parameters()) - 256 * 64
+    assert chapter.get_flops_per_token(model, config, 128) == 6 * matmul_weights + 12 * 2 * 4 * 32 * 128
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA L4", 121e12), ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12),
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 80GB HBM3", 989e12)])
+def test_the_peak_flops_of_a_gpu_follow_its_whole_name(monkeypatch, name, peak):
+    chapter = load_script("01")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert chapter.get_peak_flops(torch.device("cuda"), torch.bfloat16) == peak
+
+
+def pretend_gpus(monkeypatch, count, states):
+    """torch.cuda's random-state functions on a machine with `count` visible GPUs; states: {GPU index: state}."""
+    def index(device):
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if index >= count:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index}")
+        return index
+
+    def set_state(state, device="cuda"):
+        states[index(device)] = state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": states[index(device)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [states[i] for i in range(count)])
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda all_states: [set_state(state, i)
+                                                                             for i, state in enumerate(all_states)])
+
+
+def test_the_cuda_random_state_resumes_with_fewer_visible_gpus(monkeypatch):
+    # Saved by a process that saw 8 GPUs and used GPU 0; resumed by one that sees a single GPU.
+    chapter = load_script("01")
+    saved_on = {index: torch.full((16,), index, dtype=torch.uint8) for index in range(8)}
+    pretend_gpus(monkeypatch, 8, saved_on)
+    rng_state = chapter.get_rng_state()
+    resumed_on = {0: torch.full((16,), 99, dtype=torch.uint8)}
+    pretend_gpus(monkeypatch, 1, resumed_on)
+    chapter.set_rng_state(rng_state)
+    assert torch.equal(resumed_on[0], saved_on[0])
 
 
 def make_incompatible_model(tmp_path):
@@ -98,8 +175,8 @@ def test_a_checkpoint_of_another_model_gets_a_one_line_error(env, tmp_path):
 
 
 def assert_same_weights(checkpoint_a, checkpoint_b, tolerance):
-    weights_a = torch.load(checkpoint_a / "model.pt", weights_only=True)
-    weights_b = torch.load(checkpoint_b / "model.pt", weights_only=True)
+    weights_a = torch.load(checkpoint_a / "model.pt", map_location="cpu", weights_only=True)
+    weights_b = torch.load(checkpoint_b / "model.pt", map_location="cpu", weights_only=True)
     assert weights_a.keys() == weights_b.keys()
     largest = max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
     assert largest <= tolerance, f"weights differ by {largest}"

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_seconds, largest_weight_difference, max_difference,
-                     read_losses, read_metrics, run, script, train, train_with_a_restart)
+from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_seconds, largest_weight_difference, load_script,
+                     max_difference, read_losses, read_metrics, run, script, train, train_with_a_restart)
 
 FAULTS = REPO / "tests" / "faults"
 README = REPO / CHAPTERS["02"] / "README.md"
@@ -80,12 +80,25 @@ def test_resume_is_exact_at_world_size_2(env, runs, tmp_path, case):
     assert weight_difference == 0.0
 
 
+def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(env, runs, tmp_path):
+    # Rank 1's directory listing is stale (fault injection): it shows checkpoint-00000002, deleted when
+    # checkpoint-00000004 was saved, and not checkpoint-00000004, as a shared file system's cached listing can.
+    _, straight = parity_run(runs, env, "ddp")
+    args = ["--max-steps", STEPS, *PARITY_CASES["ddp"], *NO_WANDB, "--ckpt-freq", "2"]
+    train("02", env, tmp_path, *args, "--exit-after-steps", "4", nproc=2)
+    stale_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_STALE_LISTING": "checkpoint-00000002", "FAULT_RANK": "1"}
+    result, resumed = train("02", stale_env, tmp_path, *args, nproc=2)
+    for rank in [0, 1]:
+        assert f"[rank {rank}] INFO resumed from {resumed / 'checkpoint-00000004'} at step 4" in result.stdout
+    assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
+
+
 def test_a_zero1_checkpoint_holds_the_full_optimizer_state(env, runs):
     plain_result, plain = parity_run(runs, env, "ddp")
     zero1_result, zero1 = parity_run(runs, env, "ddp-zero1")
-    weights = list(torch.load(zero1 / FINAL_CHECKPOINT / "model.pt", weights_only=True).values())
-    plain_state = torch.load(plain / FINAL_CHECKPOINT / "optimizer.pt", weights_only=True)
-    zero1_state = torch.load(zero1 / FINAL_CHECKPOINT / "optimizer.pt", weights_only=True)
+    weights = list(torch.load(zero1 / FINAL_CHECKPOINT / "model.pt", map_location="cpu", weights_only=True).values())
+    plain_state = torch.load(plain / FINAL_CHECKPOINT / "optimizer.pt", map_location="cpu", weights_only=True)
+    zero1_state = torch.load(zero1 / FINAL_CHECKPOINT / "optimizer.pt", map_location="cpu", weights_only=True)
     # One entry per parameter, in the model's order and with its shape: what a plain AdamW, at any world size, loads.
     assert sorted(zero1_state["state"]) == list(range(len(weights)))
     assert [len(group["params"]) for group in zero1_state["param_groups"]] == [len(weights)]
@@ -116,6 +129,40 @@ def test_one_failing_rank_ends_the_job_and_its_error_is_reported(env, tmp_path):
     seconds_to_stop = ended - float(message.group(1))
     print(f"\na rank raised an error: torchrun exited {result.returncode}, {seconds_to_stop:.1f}s after the error")
     assert seconds_to_stop < 60
+
+
+def test_a_preparation_longer_than_the_process_group_timeout_completes(env, tmp_path):
+    # Rank 0 prepares the data for 15 s (a sleep injected before it loads the tokenized data set) while rank 1 waits
+    # in rank_zero_first(), under a process-group timeout of 5 s: that wait is on a gloo group with its own timeout.
+    slow_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_SLEEP_ON_CALL": "datasets.load_from_disk:15", "FAULT_RANK": "0"}
+    started = time.monotonic()
+    result, experiment = train("02", slow_env, tmp_path, "--max-steps", "2", "--batch-size", "2", "--dist-timeout", "5",
+                               *NO_WANDB, nproc=2, timeout=240)
+    seconds = time.monotonic() - started
+    assert "injected fault: rank 0 sleeps 15s before datasets.load_from_disk" in result.stderr
+    assert [record["step"] for record in read_metrics(experiment)] == [1, 2]
+    print(f"\n--dist-timeout 5 and 15 s of preparation on rank 0: the job completed in {seconds:.0f}s")
+
+
+# (GPUs this process sees, its local rank) -> its device. One visible GPU is what Slurm's --gpus-per-task=1 gives each.
+DEVICE_CHOICES = {"no GPU": (0, 3, "cpu"), "one GPU per task": (1, 3, "cuda:0"), "all GPUs of the node": (8, 3, "cuda:3")}
+
+
+@pytest.mark.parametrize("case", DEVICE_CHOICES)
+def test_each_process_uses_a_gpu_it_sees(monkeypatch, case):
+    visible, local_rank, expected = DEVICE_CHOICES[case]
+    chapter = load_script("02")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: visible > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    assert chapter.get_device(local_rank) == torch.device(expected)
+
+
+def test_more_processes_than_visible_gpus_get_a_one_line_error(monkeypatch):
+    chapter = load_script("02")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit, match=r"^error: local rank 3 but this process sees only 2 GPUs"):
+        chapter.get_device(3)
 
 
 def readme_cpu_command():

@@ -202,6 +202,91 @@ def test_a_killed_rank_is_restarted_resumes_and_ends_as_an_uninterrupted_run(env
     assert_matches_reference(runs, env, tmp_path / "outputs" / "restarted", "killed, restarted and resumed")
 
 
+# What a training process of a Slurm job is given: its CPUs (the task's share, and those it may run on).
+CPU_PROBE = """import os
+print(f"cpus of rank {os.environ.get('RANK', os.environ.get('SLURM_PROCID'))}: "
+      f"SLURM_CPUS_PER_TASK={os.environ.get('SLURM_CPUS_PER_TASK')} affinity={len(os.sched_getaffinity(0))}")
+"""
+
+
+def active_directives(job_file):
+    """The #SBATCH lines sbatch reads (a doubled ## disables one), without the prefix."""
+    return [line.split(None, 1)[1] for line in (CHAPTER / job_file).read_text().splitlines()
+            if line.startswith("#SBATCH ")]
+
+
+@pytest.mark.parametrize("job_file", ["job.sbatch", "job-srun.sbatch"])
+def test_the_slurm_jobs_ask_for_the_nodes_cpus_and_memory(job_file):
+    directives = active_directives(job_file)
+    assert "--exclusive" in directives and "--mem=0" in directives, directives
+    srun_lines = [line for line in (CHAPTER / job_file).read_text().splitlines() if line.startswith("srun ")]
+    assert len(srun_lines) == 1 and '--cpus-per-task "$CPUS_PER_TASK"' in srun_lines[0], srun_lines
+
+
+def node_cpus():
+    cpus = subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], capture_output=True, text=True, timeout=60).stdout.split()
+    assert len(set(cpus)) == 1, f"nodes with different CPU counts: {cpus}"
+    return int(cpus[0])
+
+
+# (job file, sbatch options, processes, processes per node)
+CPU_LAYOUTS = {
+    "torchrun-2-nodes": ("job.sbatch", ["--nodes", "2"], 2, 1),
+    "srun-2-nodes": ("job-srun.sbatch", ["--nodes", "2", "--ntasks-per-node", "1"], 2, 1),
+    "srun-2-tasks-on-1-node": ("job-srun.sbatch", ["--nodes", "1", "--ntasks-per-node", "2"], 2, 2),
+}
+
+
+@pytest.mark.parametrize("layout", CPU_LAYOUTS)
+def test_every_process_of_a_slurm_job_gets_its_share_of_the_nodes_cpus(env, slurm, repo_lookalike, layout):
+    job_file, options, processes, per_node = CPU_LAYOUTS[layout]
+    (repo_lookalike / "cpu_probe.py").write_text(CPU_PROBE)
+    output = sbatch(options, job_file, {**env, "TRAIN_SCRIPT": "cpu_probe.py"}, repo_lookalike)
+    share = node_cpus() // per_node
+    reports = re.findall(r"cpus of rank (\d+): SLURM_CPUS_PER_TASK=(\S+) affinity=(\d+)$", output, re.MULTILINE)
+    print(f"\n{layout}: {node_cpus()} CPUs per node, {per_node} process(es) per node: "
+          f"{', '.join(f'rank {rank} SLURM_CPUS_PER_TASK={cpus} affinity={affinity}' for rank, cpus, affinity in reports)}")
+    assert f"cpus/task={share}" in output
+    assert sorted(rank for rank, _, _ in reports) == [str(rank) for rank in range(processes)], output[-3000:]
+    for _, cpus, affinity in reports:
+        assert cpus == str(share) and int(affinity) >= share
+
+
+def test_mpirun_forwards_the_variables_training_reads(env, tmp_path):
+    # An mpirun that prints its arguments: what the real one would be asked to do.
+    fake = tmp_path / "bin" / "mpirun"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/bash\nprintf "%s\\n" "$*"\n')
+    fake.chmod(0o755)
+    settings = {"HF_HOME": "/shared/hf", "HF_TOKEN": "hf_secret", "NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5",
+                "WANDB_API_KEY": "secret", "WANDB_PROJECT": "llm", "MY_SETTING": "1", "UNRELATED": "1"}
+    mpirun_env = {**env, **settings, "FORWARD_ENV": "MY_SETTING", "PATH": f"{fake.parent}:{env['PATH']}"}
+    result = run([CHAPTER / "mpirun.sh", "-e", "forwarding"], mpirun_env, tmp_path)
+    forwarded = re.findall(r"-x (\S+)", result.stdout)
+    print(f"\nmpirun.sh forwards: {' '.join(forwarded)}")
+    for name in ["MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PATH", "HF_HOME", "HF_TOKEN", "NCCL_DEBUG",
+                 "NCCL_IB_HCA", "WANDB_API_KEY", "WANDB_PROJECT", "MY_SETTING"]:
+        assert name in forwarded, (name, result.stdout)
+    assert "UNRELATED" not in forwarded and len(forwarded) == len(set(forwarded))
+    assert "hf_secret" not in result.stdout + result.stderr, "values travel in the environment, not on the command line"
+
+
+def test_launch_ssh_forwards_the_same_variables(env, tmp_path):
+    # An ssh that prints the command tmux would run on the host.
+    fake = tmp_path / "ssh"
+    fake.write_text('#!/bin/bash\nhost=$1; shift\n'
+                    'tmux() { if [ "$1" = has-session ]; then return 1; fi; echo "$host: ${*: -1}"; }\neval "$*"\n')
+    fake.chmod(0o755)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node-a slots=1\n")
+    settings = {"HF_HOME": "/shared/hf", "NCCL_IB_HCA": "mlx5", "WANDB_PROJECT": "llm", "UNRELATED": "1"}
+    result = run([CHAPTER / "launch-ssh.sh", hosts, "-e", "forwarding"], {**env, **settings, "SSH": str(fake)},
+                 tmp_path)
+    for assignment in ["HF_HOME=/shared/hf", "NCCL_IB_HCA=mlx5", "WANDB_PROJECT=llm"]:
+        assert f" {assignment} " in result.stdout, result.stdout
+    assert "UNRELATED" not in result.stdout
+
+
 @pytest.fixture
 def closed_port():
     """A port on 127.0.0.1 that refuses connections: bound by this test and never listened on."""

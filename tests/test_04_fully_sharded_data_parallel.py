@@ -6,6 +6,7 @@ The runs several tests compare against are made once per module (SharedRuns). Al
 learning-rate schedule depends on --max-steps, so runs compare only at the same --max-steps.
 """
 
+import json
 import shutil
 import sys
 
@@ -14,8 +15,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (REPO, TINY_MODEL, SharedRuns, error_line, load_script, max_difference, memory_held, read_losses,
-                     read_metrics, run, train)
+from helpers import (REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script, logged_parameter_count,
+                     max_difference, memory_held, read_losses, read_metrics, run, train)
 
 FAULTS = REPO / "tests" / "faults"
 CONVERT = REPO / "04-fully-sharded-data-parallel" / "convert_to_hf.py"
@@ -69,6 +70,22 @@ def test_fsdp_reproduces_chapter_01_losses(runs, env, world_size):
     assert difference <= 1e-5
 
 
+def test_a_tied_model_trains_one_matrix_as_chapter_01_does(runs, env, tmp_path, tied_model):
+    """With tie_word_embeddings the embedding and the head are one parameter, in the root group: FSDP shards it
+    once, and the sharded model trains chapter 01's curve with chapter 01's parameter count."""
+    reference_result, single = runs.train("01", env, "-m", tied_model, *TEN_STEPS, "--batch-size", 4)
+    result, sharded = runs.train("04", env, "-m", tied_model, *TEN_STEPS, "--batch-size", 2, nproc=2)
+    difference = max_difference(read_losses(single), read_losses(sharded))
+    weights = checkpoint_weights(sharded / "checkpoint-00000010", tmp_path)
+    head_vs_embedding = (weights["lm_head.weight"] - weights["model.embed_tokens.weight"]).abs().max().item()
+    print(f"tied model, FSDP 2 ranks x 2 vs chapter 01 batch 4: largest loss difference {difference:.2e} over 10 "
+          f"steps; parameters {logged_parameter_count(result)} vs {logged_parameter_count(reference_result)}; "
+          f"checkpoint's head vs embedding {head_vs_embedding:.1e}")
+    assert difference <= 1e-5
+    assert logged_parameter_count(result) == logged_parameter_count(reference_result)
+    assert head_vs_embedding == 0
+
+
 def test_each_rank_holds_one_nth_of_parameters_gradients_and_optimizer_state(runs, resumed_runs, env):
     # Chapter 01 holds everything in fp32: parameters and gradients 4 bytes each, AdamW's two moments 8 bytes.
     with torch.device("meta"):
@@ -111,6 +128,20 @@ def test_resume_at_the_same_world_size_is_exact_and_survives_a_crash_during_a_sa
     difference = max_difference(read_losses(straight), read_losses(crashed))
     print(f"2 ranks, exit after 4, crash in the save of 8, resume from 6: largest loss difference {difference:.2e}")
     assert difference <= 1e-6
+
+
+def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(runs, env, tmp_path):
+    # Rank 1's directory listing is stale (fault injection): it shows checkpoint-00000002, a folder deleted since,
+    # and not checkpoint-00000004, as a shared file system's cached listing can. Every rank must read the shards of
+    # the checkpoint rank 0 found.
+    _, straight = fsdp(runs, env, 2)
+    _, source = interrupted(runs, env)
+    shutil.copytree(source, tmp_path / "outputs" / "stale")
+    stale_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_STALE_LISTING": "checkpoint-00000002", "FAULT_RANK": "1"}
+    result, resumed = train("04", stale_env, tmp_path, *TEN_STEPS, "--batch-size", "2", nproc=2, experiment="stale")
+    for rank in [0, 1]:
+        assert f"[rank {rank}] INFO resumed from {resumed / 'checkpoint-00000004'} at step 4" in result.stdout
+    assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
 
 
 def test_resume_on_4_ranks_with_the_same_global_batch_continues_exactly(runs, resumed_runs, env):
@@ -199,15 +230,37 @@ def test_convert_to_hf_gives_the_model_fsdp_trained(runs, env, tmp_path):
     dcp_to_torch_save(checkpoint_dir, tmp_path / "checkpoint.pt")
     reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(checkpoint_dir / "model_config.json"),
                                                  dtype=torch.float32)
-    reference.load_state_dict(torch.load(tmp_path / "checkpoint.pt", weights_only=True)["model"])
+    reference.load_state_dict(torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=True)["model"])
     _, single = chapter01(runs, env, 4)
     single_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL), dtype=torch.float32)
-    single_model.load_state_dict(torch.load(single / "checkpoint-00000010" / "model.pt", weights_only=True))
+    single_model.load_state_dict(torch.load(single / "checkpoint-00000010" / "model.pt", map_location="cpu",
+                                            weights_only=True))
     difference = (converted_logits - logits(reference)).abs().max().item()
     difference_01 = (converted_logits - logits(single_model)).abs().max().item()
     print(f"converted vs DCP checkpoint: largest logit difference {difference:.2e}; "
           f"vs chapter 01 trained alike: {difference_01:.2e}")
     assert difference <= 1e-5 and difference_01 <= 1e-3
+
+
+def test_convert_to_hf_saves_the_tokenizer_of_the_model_the_run_was_trained_with(runs, env, tmp_path):
+    # Every checkpoint records its run's -m. Pointed at a copy of the tiny model whose tokenizer is marked
+    # (model_max_length 1234), the record is where the tool takes the tokenizer from when -m is not given.
+    _, experiment = fsdp(runs, env, 2)
+    checkpoint = experiment / "checkpoint-00000010"
+    assert json.loads((checkpoint / "model_source.json").read_text()) == {"model_name": str(TINY_MODEL)}
+    marked_model = tmp_path / "marked-llama"
+    shutil.copytree(TINY_MODEL, marked_model)
+    tokenizer_config = json.loads((marked_model / "tokenizer_config.json").read_text())
+    (marked_model / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "model_max_length": 1234}))
+    copy = tmp_path / "checkpoint-00000010"
+    shutil.copytree(checkpoint, copy)
+    (copy / "model_source.json").write_text(json.dumps({"model_name": str(marked_model)}))
+    run([sys.executable, CONVERT, copy, "-o", tmp_path / "converted"], env, tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path / "converted").model_max_length == 1234
+    # A checkpoint that does not say (one written before the record existed) needs -m.
+    (copy / "model_source.json").unlink()
+    result = run([sys.executable, CONVERT, copy, "-o", tmp_path / "again"], env, tmp_path, check=False)
+    assert result.returncode == 1 and "no model_source.json" in error_line(result) and "pass -m" in error_line(result)
 
 
 @pytest.mark.parametrize("case", ["missing", "incomplete"])

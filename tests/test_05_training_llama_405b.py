@@ -8,6 +8,7 @@ The pretrained model, and the eager run the other features are compared with, ar
 (SharedRuns). `pytest -s` prints the figures.
 """
 
+import fnmatch
 import json
 import os
 import re
@@ -16,11 +17,13 @@ import sys
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, SharedRuns, error_line, load_script, max_difference,
-                     read_losses, run, script, torchrun, train)
+from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script,
+                     logged_parameter_count, max_difference, read_losses, run, script, torchrun, train)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
@@ -105,6 +108,40 @@ def test_pretrained_weights_give_the_loss_transformers_computes(runs, env, tmp_p
           f"random init {reference['random_init']:.4f}")
     assert abs(first_loss - reference["pretrained"]) <= 1e-5
     assert first_loss < reference["random_init"] - 1.0
+
+
+def test_a_tied_model_keeps_the_embedding_in_the_head_s_group_and_loads_its_one_matrix(runs, env, tmp_path,
+                                                                                      tied_model):
+    """With tie_word_embeddings the embedding is the head's parameter, so it joins the head's FSDP group instead of
+    a group of its own. From the seed, the run trains chapter 01's curve with chapter 01's parameter count. From a
+    tied Hugging Face folder, which stores the matrix once (as model.embed_tokens.weight), the first loss is the
+    one transformers computes, and the checkpoint holds one matrix under both names."""
+    reference_result, single = runs.train("01", env, "-m", tied_model, *STEPS, "--batch-size", "4")
+    result, from_seed = runs.train("05", env, "-m", tied_model, *STEPS, "--batch-size", "2", nproc=2)
+    difference = max_difference(read_losses(single), read_losses(from_seed))
+
+    model_dir = tmp_path / "tied-pretrained"
+    shutil.copytree(tied_model, model_dir)
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tied_model), dtype=torch.float32).save_pretrained(
+        model_dir)
+    with safe_open(model_dir / "model.safetensors", framework="pt") as saved:
+        assert "lm_head.weight" not in saved.keys()
+    pretrained_result, finetuned = train("05", env, tmp_path, "-m", model_dir, *STEPS, nproc=2)
+    assert f"loaded the pretrained weights of {model_dir}" in pretrained_result.stdout
+    first_loss = read_losses(finetuned)[0]
+    reference = last_json_line(run_program(TRANSFORMERS_LOSS, env, tmp_path, script("05"), *FAST_ARGS,
+                                           "-m", model_dir))
+    weights = checkpoint_weights(finetuned / "checkpoint-00000006", tmp_path)
+    head_vs_embedding = (weights["lm_head.weight"] - weights["model.embed_tokens.weight"]).abs().max().item()
+    print(f"\ntied model: from the seed vs chapter 01, largest loss difference {difference:.1e} over 6 steps, "
+          f"parameters {logged_parameter_count(result)} vs {logged_parameter_count(reference_result)}; from a tied "
+          f"folder, first loss {first_loss:.6f} vs transformers {reference['pretrained']:.6f}; checkpoint's head vs "
+          f"embedding {head_vs_embedding:.1e}")
+    assert difference <= 1e-5
+    assert logged_parameter_count(result) == logged_parameter_count(reference_result)
+    assert abs(first_loss - reference["pretrained"]) <= 1e-5
+    assert head_vs_embedding == 0
 
 
 # Each rank loads the pretrained folder into its shards with the chapter's own functions, through the activation
@@ -244,7 +281,7 @@ def test_resume_is_exact_and_takes_precedence_over_the_pretrained_weights(runs, 
 def final_weights(experiment, path):
     """The weights of an experiment's step-6 checkpoint, read by torch's own DCP converter."""
     dcp_to_torch_save(experiment / "checkpoint-00000006", path)
-    return torch.load(path, weights_only=True)["model"]
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
 BAD_INPUTS = {
@@ -278,6 +315,132 @@ def test_a_folder_without_one_of_the_weights_gets_a_one_line_error(runs, env, tm
         "model.layers.2.mlp.up_proj.weight.); its *.safetensors must hold every weight of the model its config.json "
         "describes, under the Hugging Face names"), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+
+class FakeFlashAttention:
+    """flash-attn's two functions, computed with PyTorch's SDPA on the CPU, in the (tokens, heads, head_dim) layout
+    flash-attn uses: what transformers' flash-attention path calls, on a machine without flash-attn. Counts the
+    calls; the varlen function attends within each sequence the boundaries cu_seqlens give."""
+
+    def __init__(self):
+        self.calls = {"flash_attn_func": 0, "flash_attn_varlen_func": 0}
+
+    @staticmethod
+    def attention(q, k, v, causal, scale):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), is_causal=causal, scale=scale,
+            enable_gqa=True)
+        return out.transpose(-3, -2)
+
+    def flash_attn_func(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+        self.calls["flash_attn_func"] += 1
+        return self.attention(q, k, v, causal, softmax_scale)
+
+    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                               softmax_scale=None, causal=False):
+        self.calls["flash_attn_varlen_func"] += 1
+        assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
+        bounds = cu_seqlens_q.tolist()
+        assert bounds == cu_seqlens_k.tolist() and bounds[-1] == q.shape[0]
+        assert max_seqlen_q == max(end - start for start, end in zip(bounds, bounds[1:]))
+        return torch.cat([self.attention(q[start:end], k[start:end], v[start:end], causal, softmax_scale)
+                          for start, end in zip(bounds, bounds[1:])])
+
+
+def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers(monkeypatch):
+    """transformers' flash-attention path, at batch size 1, checks position_ids for packed sequences in every layer
+    (_is_packed_sequence), a host read: a sync per layer on a GPU. With the chapter's get_attention_kwargs() it does
+    not check, and computes the same loss as SDPA, at batch size 1 and 4. Run with flash-attn's functions computed by
+    SDPA on the CPU (FakeFlashAttention); the GPU check runs the real ones."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    fake = FakeFlashAttention()
+    monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
+        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None),
+        (flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func), dict)))
+    packed_checks, host_reads = [], []
+    is_packed_sequence, tensor_bool = flash_utils._is_packed_sequence, torch.Tensor.__bool__
+    monkeypatch.setattr(flash_utils, "_is_packed_sequence",
+                        lambda *args: packed_checks.append(args) or is_packed_sequence(*args))
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda tensor: host_reads.append(1) or tensor_bool(tensor))
+    chapter = load_script("05")
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    num_layers = config.num_hidden_layers
+
+    def forward(input_ids, attn_implementation, **kwargs):
+        model.config._attn_implementation = attn_implementation
+        packed_checks.clear(), host_reads.clear()
+        with torch.no_grad():
+            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False, **kwargs).loss.item()
+        return loss, len(packed_checks), len(host_reads)
+
+    figures = {}
+    for batch_size in (1, 4):
+        input_ids = torch.randint(0, config.vocab_size, (batch_size, 64), generator=torch.Generator().manual_seed(0))
+        sdpa_loss, _, sdpa_reads = forward(input_ids, "sdpa")
+        kwargs = chapter.get_attention_kwargs("flash_attention_2", input_ids)
+        flash_loss, checks, reads = forward(input_ids, "flash_attention_2", **kwargs)
+        assert checks == 0, f"batch size {batch_size}: the packed-sequence check ran {checks} times"
+        assert abs(flash_loss - sdpa_loss) <= 1e-5, (batch_size, flash_loss, sdpa_loss)
+        # NOTE: what is left is outside the layers, as with SDPA: the mask creation reads position_ids once per
+        # forward.
+        assert reads == sdpa_reads, (batch_size, reads, sdpa_reads)
+        figures[batch_size] = (reads, abs(flash_loss - sdpa_loss))
+    assert fake.calls == {"flash_attn_func": 0, "flash_attn_varlen_func": 2 * num_layers}
+    assert chapter.get_attention_kwargs("sdpa", input_ids) == {} == chapter.get_attention_kwargs("eager", input_ids)
+
+    # Without the kwargs, as before: the check, and its host read, in every layer at batch size 1.
+    input_ids = input_ids[:1]
+    _, checks_before, reads_before = forward(input_ids, "flash_attention_2")
+    print(f"\nflash attention at batch size 1: host reads per forward {reads_before} without the chapter's kwargs "
+          f"({checks_before} packed-sequence checks, one per layer), {figures[1][0]} with them (0 checks); loss vs "
+          f"SDPA {figures[1][1]:.1e} at batch size 1, {figures[4][1]:.1e} at 4")
+    assert checks_before == num_layers
+    assert reads_before - figures[1][0] == num_layers
+    # Every chapter passes them to its model.
+    for chapter_name in CHAPTERS:
+        source = script(chapter_name).read_text()
+        assert "attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)" in source, chapter_name
+        assert "**attention_kwargs).loss" in source, chapter_name
+
+
+def test_a_folder_with_only_pickled_weights_gets_a_one_line_error(env, tmp_path):
+    # The tiny model's config and tokenizer, with its weights saved by torch.save() as older hub models have them.
+    model_dir = tmp_path / "pickled-model"
+    shutil.copytree(TINY_MODEL, model_dir)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL), dtype=torch.float32)
+    torch.save(model.state_dict(), model_dir / "pytorch_model.bin")
+    result, _ = train("05", env, tmp_path, "-m", model_dir, "--max-steps", "2", check=False, timeout=120)
+    assert result.returncode == 1
+    assert error_line(result) == (
+        f"error: {model_dir} holds its weights only as pytorch_model.bin, which this script does not read (it would "
+        "train from random weights); convert them to safetensors first: load the folder with transformers' "
+        "from_pretrained() and write it with save_pretrained() (Meta's *.pth: transformers' "
+        "convert_llama_weights_to_hf.py), and pass -m the new folder"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_mistral_consolidated_safetensors_are_neither_read_nor_downloaded(runs, env, tmp_path):
+    """A folder as Mistral's repositories are: the Hugging Face weights in model-*.safetensors, and the same weights
+    again, in Mistral's format, in consolidated.safetensors. Here that second file is not even a safetensors file:
+    the run trains exactly like the fine-tune from the plain folder only if nothing ever opens it."""
+    model_dir = tmp_path / "mistral-like"
+    shutil.copytree(pretrained_model(runs, env), model_dir)
+    (model_dir / "model.safetensors").rename(model_dir / "model-00001-of-00001.safetensors")
+    (model_dir / "consolidated.safetensors").write_bytes(b"Mistral's own format, which train_llm.py must not open")
+    chapter = load_script("05")
+    assert chapter.find_weight_files(model_dir) == [model_dir / "model-00001-of-00001.safetensors"]
+    assert any(fnmatch.fnmatch("consolidated.safetensors", pattern) for pattern in chapter.SKIPPED_MODEL_FILES)
+    _, plain = finetune(runs, env)
+    result, experiment = train("05", env, tmp_path, "-m", model_dir, *STEPS, nproc=2, experiment="mistral-like")
+    assert f"loaded the pretrained weights of {model_dir}" in result.stdout
+    difference = max_difference(read_losses(plain), read_losses(experiment))
+    print(f"\nmodel-00001-of-00001.safetensors next to an unreadable consolidated.safetensors: largest loss "
+          f"difference from the plain folder's fine-tune {difference:.1e} over 6 steps")
+    assert difference <= 1e-6
 
 
 def fake_command(tmp_path, name, body='printf "%s\\n" "$*"'):

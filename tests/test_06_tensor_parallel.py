@@ -1,6 +1,7 @@
 """Chapter 06: tensor parallelism on 2 and 4 CPU processes (gloo) trains exactly as chapter 01 does on the same batch;
-each module of the chapter's plan computes what the whole model computes, and a wrong style is named at its module;
-resume is exact; a degree that does not divide the model gets a one-line error; the README's diff is the real one
+a model with tied embeddings keeps one matrix (chapter 01's losses and parameter count, exact resume, a converted
+Hugging Face folder that is the checkpoint); each module of the chapter's plan computes what the whole model
+computes, and a wrong style is named at its module; resume is exact; a degree that does not divide the model gets a one-line error; the README's diff is the real one
 and its CPU command runs as written.
 
 `pytest -s` prints the figures: the largest loss and weight differences from chapter 01, and the module check's.
@@ -9,13 +10,18 @@ and its CPU command runs as written.
 import re
 import shlex
 import subprocess
+import sys
 
 import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_weights, max_difference, read_losses, read_metrics, run,
-                     script, torchrun, train)
+from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_weights, logged_parameter_count, max_difference,
+                     read_losses, read_metrics, run, script, torchrun, train, train_with_a_restart)
 
 README = REPO / CHAPTERS["06"] / "README.md"
+CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
 LAYER_CHECK = REPO / "tests" / "tp_layer_check.py"
 STEPS = 10
 FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
@@ -60,6 +66,80 @@ def test_tensor_parallel_matches_one_process_on_the_same_batch(env, runs, tmp_pa
     assert all(f"[rank {rank}]" in result.stdout for rank in range(degree))
     assert sorted(path.name for path in (experiment / FINAL_CHECKPOINT).glob("*.distcp")) == [
         f"__{rank}_0.distcp" for rank in range(degree)]
+
+
+def tied_runs(runs, env, tied_model):
+    """Chapter 01's run and chapter 06's on 2 ranks, on the tiny model with tie_word_embeddings true."""
+    args = ["-m", tied_model, "--max-steps", STEPS, "--batch-size", "4"]
+    return runs.train("01", env, *args), runs.train("06", env, *args, nproc=2)
+
+
+def test_a_tied_model_trains_one_matrix_as_chapter_01_does(env, runs, tmp_path, tied_model):
+    """parallelize_module() gives the embedding and the head a DTensor each; parallelize_model() ties them again.
+    Left untied, the head would start from weights of its own (seeded by its own name) and train apart, with a
+    vocabulary x hidden matrix (1.0M parameters here) more than chapter 01 has."""
+    (reference_result, reference), (result, experiment) = tied_runs(runs, env, tied_model)
+    loss_difference = max_difference(read_losses(reference), read_losses(experiment))
+    reference_weights = checkpoint_weights(reference / FINAL_CHECKPOINT, tmp_path)
+    weights = checkpoint_weights(experiment / FINAL_CHECKPOINT, tmp_path)
+    assert weights.keys() == reference_weights.keys()
+    differences = {name: (weights[name] - reference_weights[name]).abs() for name in weights}
+    largest = max(difference.max().item() for difference in differences.values())
+    far = sum((difference > 1e-5).sum().item() for difference in differences.values())
+    total = sum(difference.numel() for difference in differences.values())
+    head_vs_embedding = (weights["lm_head.weight"] - weights["model.embed_tokens.weight"]).abs().max().item()
+    print(f"\ntied model, TP 2 vs chapter 01 (batch 4, {STEPS} steps, fp32): largest loss difference "
+          f"{loss_difference:.1e}; largest weight difference {largest:.1e}, {far} of {total} weights beyond 1e-5; "
+          f"parameters {logged_parameter_count(result)} vs {logged_parameter_count(reference_result)}; "
+          f"checkpoint's head vs embedding: {head_vs_embedding:.1e}")
+    assert loss_difference <= 1e-5
+    assert far <= total * 1e-4
+    assert logged_parameter_count(result) == logged_parameter_count(reference_result)
+    assert head_vs_embedding == 0
+
+
+def test_a_tied_checkpoint_converts_to_a_hugging_face_model_with_one_matrix(env, runs, tmp_path, tied_model):
+    """convert_to_hf.py writes a tied model's matrix once, and from_pretrained() ties the head to it again. The
+    reference is the checkpoint as it is (torch's own DCP converter), in a model whose head is a matrix of its own:
+    its logits are the converted model's only if the checkpoint's head is its embedding."""
+    _, (_, experiment) = tied_runs(runs, env, tied_model)
+    checkpoint_dir = experiment / FINAL_CHECKPOINT
+    run([sys.executable, CONVERT, checkpoint_dir, "-m", tied_model, "-o", tmp_path / "converted"], env, tmp_path)
+    with safe_open(tmp_path / "converted" / "model.safetensors", framework="pt") as saved:
+        saved_names = set(saved.keys())
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "converted", dtype=torch.float32)
+    untied_config = AutoConfig.from_pretrained(checkpoint_dir / "model_config.json", tie_word_embeddings=False)
+    reference = AutoModelForCausalLM.from_config(untied_config, dtype=torch.float32)
+    reference.load_state_dict(checkpoint_weights(checkpoint_dir, tmp_path))
+    assert reference.lm_head.weight is not reference.model.embed_tokens.weight
+    input_ids = torch.randint(0, 4096, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (converted.eval()(input_ids=input_ids).logits
+                      - reference.eval()(input_ids=input_ids).logits).abs().max().item()
+    print(f"\ntied TP 2 checkpoint converted vs the checkpoint's weights: largest logit difference {difference:.1e}")
+    # The matrix is saved once, under the embedding's name, as in Hugging Face's own tied models.
+    assert "model.embed_tokens.weight" in saved_names and "lm_head.weight" not in saved_names
+    assert converted.config.tie_word_embeddings
+    assert converted.lm_head.weight is converted.model.embed_tokens.weight
+    assert difference <= 1e-5
+
+
+def test_a_tied_model_resumes_exactly(env, runs, tmp_path, tied_model):
+    """The checkpoint holds the one matrix under both names, and AdamW's moments under the embedding's: loading
+    fills the shared parameter from both, and the moments once."""
+    _, (_, straight) = tied_runs(runs, env, tied_model)
+    _, resumed = train_with_a_restart("06", env, tmp_path, "-m", tied_model, "--max-steps", STEPS, "--batch-size", "4",
+                                      stop_after=STEPS // 2, nproc=2)
+    loss_difference = max_difference(read_losses(straight), read_losses(resumed))
+    weights_straight = checkpoint_weights(straight / FINAL_CHECKPOINT, tmp_path)
+    weights_resumed = checkpoint_weights(resumed / FINAL_CHECKPOINT, tmp_path)
+    weight_difference = max((weights_straight[name] - weights_resumed[name]).abs().max().item()
+                            for name in weights_straight)
+    print(f"\nresume of the tied model, TP 2: largest loss difference {loss_difference:.1e}, largest weight "
+          f"difference {weight_difference:.1e}")
+    assert loss_difference <= 1e-6
+    assert weight_difference <= 1e-6
+    assert torch.equal(weights_resumed["lm_head.weight"], weights_resumed["model.embed_tokens.weight"])
 
 
 def module_check(env, cwd, broken=None):

@@ -1,8 +1,8 @@
 """Chapter 07: tensor parallel inside, FSDP across, on one device mesh. CPU processes under torchrun (gloo) train
 exactly as chapter 01 does with the same global batch, whatever the layout of 2 or 4 ranks (dp x tp, and hybrid
-sharding); resume is exact, and a checkpoint resumes at another data-parallel size; a layout that does not fit the
-world gets a one-line error; tokens/s counts the data-parallel ranks only; the README's commands are layouts
-tested here, and it quotes the exact diff from chapter 06.
+sharding), a model with tied embeddings included; resume is exact, and a checkpoint resumes at another
+data-parallel size; a layout that does not fit the world gets a one-line error; tokens/s counts the data-parallel
+ranks only; the README's commands are layouts tested here, and it quotes the exact diff from chapter 06.
 
 `pytest -s` prints the figures: the largest loss and weight differences from chapter 01, and after a resume.
 Every run trains 6 steps of 4 sequences of 64 tokens: 4 processes on 2 cores take a few seconds per step.
@@ -15,8 +15,8 @@ import subprocess
 
 import pytest
 
-from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_weights, max_difference, read_losses, read_metrics, script,
-                     train)
+from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_weights, logged_parameter_count, max_difference,
+                     read_losses, read_metrics, script, train)
 
 README = REPO / CHAPTERS["07"] / "README.md"
 STEPS, HALF = 6, 3
@@ -91,6 +91,27 @@ def test_every_layout_matches_one_process_with_the_same_global_batch(env, runs, 
     # AdamW divides by the root of the squared gradients, so a weight whose gradient is ~0 (a rare token's
     # embedding row) moves by ~lr whatever the sign of its rounding noise: weights agree less closely than losses.
     assert weight_difference <= 2e-4
+
+
+def test_a_tied_model_trains_one_matrix_as_chapter_01_does(env, runs, tmp_path, tied_model):
+    """dp 2 x tp 2 on the tiny model with tie_word_embeddings true: parallelize_model() gives the head the
+    embedding's DTensor back, and FSDP's root group shards that one parameter along dp. Left untied, the head
+    would start from weights of its own and train apart, a vocabulary x hidden matrix more than chapter 01 has."""
+    reference_result, reference = runs.train("01", env, "-m", tied_model, *COMMON, "--batch-size", str(GLOBAL_BATCH))
+    nproc, _, flags = layout("dp2-tp2")
+    result, experiment = runs.train("07", env, "-m", tied_model, *COMMON, *flags, nproc=nproc)
+    loss_difference = max_difference(read_losses(reference), read_losses(experiment))
+    weight_difference = largest_weight_difference(reference / FINAL_CHECKPOINT, experiment / FINAL_CHECKPOINT,
+                                                  tmp_path)
+    weights = checkpoint_weights(experiment / FINAL_CHECKPOINT, tmp_path)
+    head_vs_embedding = (weights["lm_head.weight"] - weights["model.embed_tokens.weight"]).abs().max().item()
+    print(f"\ntied model, dp2-tp2 vs chapter 01: largest loss difference {loss_difference:.1e}, largest weight "
+          f"difference {weight_difference:.1e} after {STEPS} steps; parameters {logged_parameter_count(result)} vs "
+          f"{logged_parameter_count(reference_result)}; checkpoint's head vs embedding: {head_vs_embedding:.1e}")
+    assert loss_difference <= 1e-5
+    assert weight_difference <= 2e-4
+    assert logged_parameter_count(result) == logged_parameter_count(reference_result)
+    assert head_vs_embedding == 0
 
 
 @pytest.mark.parametrize("case", ["dp2-tp1", "dp1-tp2"])

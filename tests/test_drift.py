@@ -19,9 +19,11 @@ from helpers import REPO, script
 # (base chapter, chapter) -> {definition the chapter changes: why its lesson changes it}.
 LINEAGE = {
     ("01", "02"): {
-        "main": "one process per GPU: process group, DistributedDataParallel, ZeRO-1, rank-zero-first preparation, "
-                "the loss averaged over ranks, and wandb, metrics and the progress bar on rank 0 only",
-        "get_parser": "the --zero1 option",
+        "main": "one process per GPU: process group (with its timeout), DistributedDataParallel, ZeRO-1, "
+                "rank-zero-first preparation, the checkpoint rank 0 finds, the loss averaged over ranks, and wandb, "
+                "metrics and the progress bar on rank 0 only",
+        "get_parser": "the --zero1 option, and --dist-timeout, the process group's timeout",
+        "parse_args": "--dist-timeout must be at least 1 second too",
         "setup_logging": "every log line says which rank wrote it",
         "get_dataloader": "DistributedSampler: each rank reads its own share of each global batch",
         "save_checkpoint": "rank 0 writes while the others wait at a barrier, ZeRO-1 gathers the optimizer state "
@@ -43,8 +45,7 @@ LINEAGE = {
         "load_checkpoint": "each rank reads its own shards, resharding to the current world size",
     },
     ("04", "05"): {
-        "main": "pretrained weights (from a folder or the hub), activation checkpointing, torch.compile, and no "
-                "KV cache in training",
+        "main": "pretrained weights (from a folder or the hub), activation checkpointing and torch.compile",
         "get_parser": "the options of activation checkpointing and compilation",
         "shard_model": "separate FSDP groups for the embedding and the output head of a 405B model, and prefetching",
         "init_weights": "parameter names without the activation checkpoint wrapper's part",

@@ -1,6 +1,8 @@
-"""Repository-wide checks: every script answers --help, and every command in a README points at files that exist
-and passes only flags its script accepts."""
+"""Repository-wide checks: every script answers --help, every command in a README points at files that exist
+and passes only flags its script accepts, every torch.load says where its tensors go, and no chapter's training
+forward builds a KV cache."""
 
+import ast
 import re
 import sys
 
@@ -52,3 +54,31 @@ def test_readme_commands_pass_only_flags_the_script_accepts(readme):
                 if f'"{flag}"' not in source:
                     unknown.append(f"{chapter_dir}/train_llm.py {flag}")
     assert not unknown, f"{readme.relative_to(REPO)} passes flags the scripts do not have: {sorted(set(unknown))}"
+
+
+def test_every_torch_load_names_its_device_and_loads_weights_only():
+    # NOTE: without map_location a tensor returns to the device it was saved from: a checkpoint written by rank 0
+    # of a GPU job would be restored onto GPU 0 by every rank of the node. weights_only=True: no code runs on load.
+    calls, unsafe = 0, []
+    for path in sorted(REPO.rglob("*.py")):
+        if any(part.startswith(".") for part in path.relative_to(REPO).parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.load":
+                calls += 1
+                keywords = {keyword.arg: ast.unparse(keyword.value) for keyword in node.keywords}
+                if "map_location" not in keywords or keywords.get("weights_only") != "True":
+                    unsafe.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert calls >= 10 and not unsafe, f"torch.load without map_location or weights_only=True: {sorted(unsafe)}"
+
+
+@pytest.mark.parametrize("chapter", EXISTING_CHAPTERS)
+def test_every_training_forward_builds_no_kv_cache(chapter):
+    # NOTE: a Hugging Face model builds a KV cache in every forward pass unless told use_cache=False (the config's
+    # default is True). test_01_single_gpu.py shows it on a real run; this checks every chapter's call of the model.
+    forwards = [node for node in ast.walk(ast.parse(script(chapter).read_text()))
+                if isinstance(node, ast.Call) and any(keyword.arg == "labels" for keyword in node.keywords)]
+    assert forwards, f"no model(..., labels=...) call in {script(chapter).relative_to(REPO)}"
+    for call in forwards:
+        keywords = {keyword.arg: ast.unparse(keyword.value) for keyword in call.keywords}
+        assert keywords.get("use_cache") == "False", f"line {call.lineno}: {ast.unparse(call)}"

@@ -60,7 +60,7 @@ def main():
         dist.barrier()
     elif not os.path.exists(path):
         prepare(path, rank)
-    ids = torch.load(path)
+    ids = torch.load(path, map_location="cpu", weights_only=True)
     print(f"rank {rank}: {len(ids)} tokens ready after {time.time() - t0:.1f} s", flush=True)
     dist.destroy_process_group()
 

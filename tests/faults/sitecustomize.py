@@ -3,7 +3,8 @@
 Python imports this file at start-up when its folder is on PYTHONPATH. Each fault is switched on by a variable:
 
 FAULT_KILL_ON_CALL="torch.save:5"   SIGKILL this process inside the 5th call of torch.save, after that call wrote its
-                                    file: a crash in the middle of writing a checkpoint.
+                                    file: a crash in the middle of writing a checkpoint. A method works too:
+                                    "transformers.cache_utils.DynamicCache.__init__:1" dies when a KV cache is built.
 FAULT_KILL_AFTER_STEPS=3            SIGKILL this process after its 3rd optimizer step, only on rank FAULT_RANK
 FAULT_RANK=1                        (default 0), and only once: the file FAULT_ONCE_FILE is created on the way down,
 FAULT_ONCE_FILE=/tmp/x              so a restarted process trains on.
@@ -18,8 +19,17 @@ if os.environ.get("FAULT_KILL_ON_CALL"):
     import torch  # noqa: F401  (the patched functions live in torch)
 
     target, count = os.environ["FAULT_KILL_ON_CALL"].rsplit(":", 1)
-    module_name, function_name = target.rsplit(".", 1)
-    module = importlib.import_module(module_name)
+    owner_name, function_name = target.rsplit(".", 1)
+    # NOTE: the owner is a module, or a class inside one: import the longest prefix that is a module.
+    owner_path = owner_name.split(".")
+    for split in range(len(owner_path), 0, -1):
+        try:
+            module = importlib.import_module(".".join(owner_path[:split]))
+            break
+        except ImportError:
+            continue
+    for attribute in owner_path[split:]:
+        module = getattr(module, attribute)
     original = getattr(module, function_name)
     calls = [0]
 
@@ -67,3 +77,46 @@ if os.environ.get("FAULT_RAISE_AFTER_STEPS"):
                                f"at {time.time():.3f}")
 
     register_optimizer_step_post_hook(raise_after_steps)
+
+# FAULT_STALE_LISTING=checkpoint-2    on rank FAULT_RANK (default 0), Path.glob("checkpoint-*") lists just these
+# FAULT_RANK=1                        folders (comma-separated), whatever the folder holds: the stale directory
+#                                     listing that a node of a shared file system (NFS, Lustre) can keep for seconds.
+if os.environ.get("FAULT_STALE_LISTING"):
+    import pathlib
+
+    listing_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    if listing_rank == os.environ.get("FAULT_RANK", "0"):
+        original_glob = pathlib.Path.glob
+
+        def stale_glob(self, pattern, *args, **kwargs):
+            if pattern == "checkpoint-*":
+                return iter([self / name for name in os.environ["FAULT_STALE_LISTING"].split(",")])
+            return original_glob(self, pattern, *args, **kwargs)
+
+        pathlib.Path.glob = stale_glob
+
+# FAULT_SLEEP_ON_CALL="datasets.load_from_disk:15"   sleep 15 seconds before the first call of that function, only on
+# FAULT_RANK=0                                       rank FAULT_RANK (default 0), and say so on stderr: a slow rank,
+#                                                    e.g. rank 0 preparing a large data set while the others wait.
+if os.environ.get("FAULT_SLEEP_ON_CALL"):
+    import importlib
+    import sys
+    import time
+
+    sleep_target, sleep_seconds = os.environ["FAULT_SLEEP_ON_CALL"].rsplit(":", 1)
+    sleep_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    if sleep_rank == os.environ.get("FAULT_RANK", "0"):
+        sleep_module_name, sleep_function_name = sleep_target.rsplit(".", 1)
+        sleep_module = importlib.import_module(sleep_module_name)
+        not_slept = getattr(sleep_module, sleep_function_name)
+        slept = [False]
+
+        def sleep_then_call(*args, **kwargs):
+            if not slept[0]:
+                slept[0] = True
+                print(f"injected fault: rank {sleep_rank} sleeps {sleep_seconds}s before {sleep_target}", file=sys.stderr,
+                      flush=True)
+                time.sleep(float(sleep_seconds))
+            return not_slept(*args, **kwargs)
+
+        setattr(sleep_module, sleep_function_name, sleep_then_call)

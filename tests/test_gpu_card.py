@@ -1,0 +1,300 @@
+"""The GPU card (tools/gpu_card.py) in its CPU mode, its pieces, and the step-overhead benchmark it runs.
+
+The CPU mode runs the card's whole pipeline on the tiny model, so that the script a GPU visit depends on cannot rot:
+every chapter's row with its numbers, chapter 05's options, the checks, the benchmark and the sync-audit plumbing.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, run
+
+CARD = REPO / "tools" / "gpu_card.py"
+BENCHMARK = REPO / "tools" / "benchmark_step_overhead.py"
+CARD_SITE = REPO / "tools" / "gpu_card_site"
+CHAPTER_DIRS = sorted(path.parent.name for path in REPO.glob("[0-9][0-9]-*/train_llm.py"))
+OPTIONS = "05-training-llama-405b"
+
+
+def load_card_module():
+    spec = importlib.util.spec_from_file_location("gpu_card", CARD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def card_cache():
+    return {}
+
+
+@pytest.fixture
+def cpu_card(card_cache, env, tmp_path_factory):
+    """The CPU card, made once for this module (in the environment of the first test that asks for it)."""
+    if "card" not in card_cache:
+        out_dir = tmp_path_factory.mktemp("cpu-card")
+        started = time.monotonic()
+        result = run([sys.executable, CARD, "--cpu", "--out", out_dir], env, REPO, timeout=1200, check=False)
+        card_cache["card"] = (result, out_dir, time.monotonic() - started)
+        print(f"CPU card: {time.monotonic() - started:.0f}s\n{(out_dir / 'card.md').read_text()}")
+    result, out_dir, seconds = card_cache["card"]
+    assert result.returncode == 0, f"{result.stdout[-4000:]}\n{result.stderr[-3000:]}"
+    return json.loads((out_dir / "card.json").read_text()), (out_dir / "card.md").read_text(), out_dir
+
+
+def by_name(card):
+    return {run["name"]: run for run in card["runs"]}
+
+
+def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
+    card, markdown, out_dir = cpu_card
+    runs = by_name(card)
+    assert card["mode"] == "cpu" and card["finished"] and markdown.startswith("# CPU card")
+    assert card["environment"]["ceiling"]["tflops"] > 0
+    for chapter in CHAPTER_DIRS:
+        record = runs[chapter]
+        assert record["status"] == "ok", record
+        assert record["tokens_per_second"] > 0 and record["memory_rss_gb"] > 0
+        assert record["fraction_of_ceiling"] > 0
+        assert set(record["step_ms"]) == {"data", "forward", "backward", "update"}
+        assert record["mfu"] is None and record["syncs"]["per_step"] is None
+        assert len(record["losses"]) == card["settings"]["steps"] // card["settings"]["log_freq"]
+        assert (out_dir / record["log"]).exists()
+        row = next(line for line in markdown.splitlines() if line.startswith(f"| {chapter} |  |"))
+        assert f"| {record['tokens_per_second']:,.0f} | n/a | {record['fraction_of_ceiling']:.1%} |" in row
+        if chapter == "01-single-gpu":
+            assert row.endswith("| reference |")
+        else:
+            # NOTE: fp32 on the CPU: every chapter at world size 1 trains exactly like chapter 01.
+            assert record["loss_match"]["match"] and record["loss_match"]["max_difference"] <= 1e-4, record
+            assert "✓" in row.split("|")[-2]
+    assert "08-pipeline-parallel" not in CHAPTER_DIRS or "--pp 1" in markdown
+
+
+def test_the_cpu_card_benchmarks_the_step_overhead(cpu_card):
+    card, markdown, out_dir = cpu_card
+    # NOTE: on the CPU the card benchmarks chapter 01 only; chapter 04's benchmark is the next test's.
+    assert list(card["benchmark"]) == ["01-single-gpu"]
+    for chapter, result in card["benchmark"].items():
+        assert result["order"] == ["bare", "chapter"] * 3
+        assert result["bare_median_ms"] == statistics.median(result["bare_step_ms"])
+        assert result["chapter_median_ms"] == statistics.median(result["chapter_step_ms"])
+        assert result["ratio"] == pytest.approx(result["chapter_median_ms"] / result["bare_median_ms"])
+        assert f"| {chapter} | {result['bare_median_ms']:.1f} | {result['chapter_median_ms']:.1f} | " \
+               f"{result['ratio']:.3f} |" in markdown
+        row = next(line for line in markdown.splitlines() if line.startswith(f"| {chapter} |  |"))
+        assert f"| {result['overhead_percent']:+.1f}% |" in row
+
+
+def test_the_cpu_card_runs_chapter_05s_options_and_the_checks(cpu_card):
+    card, markdown, out_dir = cpu_card
+    runs = by_name(card)
+    pretrained = runs[f"{OPTIONS}+pretrained"]
+    assert pretrained["status"] == "ok" and pretrained["loss_match"]["reference"] == OPTIONS
+    # NOTE: the folder holds exactly the seeded weights: fine-tuning from it repeats the seeded run.
+    assert pretrained["loss_match"]["max_difference"] <= 1e-5
+    for option in ["activation-checkpointing", "compile"]:
+        record = runs[f"{OPTIONS}+{option}"]
+        assert record["status"] == "ok" and record["loss_match"]["match"], record
+        assert record["loss_match"]["reference"] == f"{OPTIONS}+pretrained"
+    for name in [f"{OPTIONS}+cpu-offload", "04-fully-sharded-data-parallel+cpu-offload"]:
+        assert runs[name]["status"] == "expected error", runs[name]
+        assert runs[name]["error"].startswith("error: --cpu-offload moves GPU memory to the CPU")
+    assert runs[f"{OPTIONS}+flash-attention-error"]["error"].startswith(
+        "error: --attn-implementation flash_attention_2 needs")
+    assert "| 05-training-llama-405b | --cpu-offload | expected error ✓ |" in markdown
+    local_rank = [run for run in card["runs"] if run["name"].startswith("local-rank-1-")]
+    assert local_rank and all(run["status"] == "ok" for run in local_rank)
+    assert "LOCAL_RANK=1: ✓ trains" in markdown
+
+
+def test_a_failing_run_is_recorded_and_the_card_goes_on(env, tmp_path):
+    out_dir = tmp_path / "card"
+    result = run([sys.executable, CARD, "--cpu", "--out", out_dir, "--only", "01,02", "--parts", "chapters",
+                  "--chapter-args", "01-single-gpu=--seq-length 100000"], env, REPO, timeout=600, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("error: 1 run(s) failed or timed out: 01-single-gpu")
+    card = json.loads((out_dir / "card.json").read_text())
+    runs = by_name(card)
+    assert runs["01-single-gpu"]["status"] == "failed"
+    assert runs["01-single-gpu"]["error"].startswith("error: --seq-length 100000 is longer than the model's maximum")
+    assert runs["02-distributed-data-parallel"]["status"] == "ok"
+    assert runs["02-distributed-data-parallel"]["tokens_per_second"] > 0
+    assert runs["02-distributed-data-parallel"]["loss_match"]["max_difference"] is None
+    markdown = (out_dir / "card.md").read_text()
+    assert "| 01-single-gpu |  | failed ✗ |" in markdown
+    assert "- 01-single-gpu: failed: error: --seq-length 100000" in markdown
+
+
+def test_a_run_past_its_timeout_or_the_budget_is_stopped_and_recorded(env, tmp_path, monkeypatch):
+    card_module = load_card_module()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args = argparse.Namespace(cpu=True, budget_s=0, model=str(REPO / "data" / "tiny-llama"), seq_length=64,
+                              batch_size=4, steps=12, log_freq=4)
+    card = card_module.Card(tmp_path, args)
+    sleeper = [sys.executable, "-c", "import time; print('sleeping', flush=True); time.sleep(300)"]
+
+    def sleep_run(name, timeout):
+        return card_module.ProcessRun(name=name, chapter="", options=[], kind="check", command=sleeper,
+                                      timeout=timeout)
+
+    started = time.monotonic()
+    record, = card_module.execute(card, [sleep_run("over-its-timeout", 3)])
+    assert record["status"] == "timed out" and record["error"] == "stopped after 3s"
+    assert time.monotonic() - started < 30
+    card.deadline = time.monotonic() + 20
+    cut, = card_module.execute(card, [sleep_run("cut-by-the-budget", 300)])
+    skipped, = card_module.execute(card, [sleep_run("past-the-budget", 300)])
+    assert cut["status"] == "timed out" and cut["seconds"] < 40
+    assert skipped["status"] == "skipped" and "budget" in skipped["error"]
+    assert "sleeping" in (tmp_path / "logs" / "over-its-timeout.log").read_text()
+
+
+def test_the_sync_audit_counts_syncs_outside_logging_steps_and_the_stop_hook_ends_the_process(env, tmp_path):
+    """The injected hooks, in a script that plays a chapter: it emits the warning CUDA's sync debug mode emits."""
+    script = tmp_path / "train_llm.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing, sys, time, warnings
+        import torch
+
+        SYNC = "called a synchronizing CUDA operation"
+        syncs_before_step = {1: 1, 2: 1, 4: 5, 5: 2, 7: 3}  # 4 and 7 follow the logging steps 3 and 6
+
+        if __name__ == "__main__":
+            worker = multiprocessing.Process(target=time.sleep, args=(300,))
+            worker.start()
+            open(sys.argv[1], "w").write(str(worker.pid))
+            parameter = torch.nn.Parameter(torch.zeros(1))
+            optimizer = torch.optim.SGD([parameter], lr=0.1)
+            for step in range(1, 20):
+                for _ in range(syncs_before_step.get(step, 0)):
+                    warnings.warn(SYNC)
+                parameter.grad = torch.ones(1)
+                optimizer.step()
+                print(f"step {step} done", flush=True)
+    """))
+    audit_file = tmp_path / "audit.json"
+    worker_pid_file = tmp_path / "worker.pid"
+    environment = {**env, "PYTHONPATH": str(CARD_SITE), "CARD_STOP_AFTER_STEP": "8", "CARD_SYNC_AUDIT": str(audit_file)}
+    # NOTE: not run() (which kills the whole session afterwards): the hook itself must end the data loader workers.
+    result = subprocess.run([sys.executable, script, worker_pid_file], env=environment, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "step 7 done"
+    worker_pid = int(worker_pid_file.read_text())
+    for _ in range(50):
+        if not Path(f"/proc/{worker_pid}").exists() or Path(f"/proc/{worker_pid}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(worker_pid, 9)
+        raise AssertionError("the stop hook left the worker process running")
+    audit = json.loads(audit_file.read_text())
+    assert audit["steps"] == 8 and audit["cuda"] is False
+    assert audit["syncs_before_step"] == {"2": 1, "3": 0, "4": 5, "5": 2, "6": 0, "7": 3, "8": 0}
+    assert sum(audit["where"].values()) == 11 and all("train_llm.py:" in place for place in audit["where"])
+    summary = load_card_module().read_sync_audit(audit_file, log_freq=3)
+    # NOTE: audited: steps 3, 5, 6 and 8 (not 1 and 2, which set things up, nor 4 and 7, which follow logging).
+    assert summary["audited_steps"] == 4 and summary["syncs_in_audited_steps"] == 2 and summary["per_step"] == 0.5
+    assert summary["syncs_in_step_2"] == 1 and summary["syncs_after_logging_steps"] == 8
+
+
+def test_the_benchmark_times_both_loops_in_fresh_processes_alternately(env, tmp_path):
+    log_dir = tmp_path / "logs"
+    result = run([sys.executable, BENCHMARK, "--chapter", "04-fully-sharded-data-parallel", "--steps", "2",
+                  "--repeats", "3", "--log-dir", log_dir, "--json-out", tmp_path / "result.json", "--",
+                  "--seq-length", "32", "--batch-size", "2", "--num-workers", "0"], env, tmp_path, timeout=900)
+    printed = json.loads(result.stdout.strip().splitlines()[-1])
+    assert printed == json.loads((tmp_path / "result.json").read_text())
+    assert printed["order"] == ["bare", "chapter", "bare", "chapter", "bare", "chapter"]
+    assert len(printed["bare_step_ms"]) == len(printed["chapter_step_ms"]) == 3
+    assert all(ms > 0 for ms in printed["bare_step_ms"] + printed["chapter_step_ms"])
+    assert printed["bare_median_ms"] == statistics.median(printed["bare_step_ms"])
+    assert printed["ratio"] == pytest.approx(printed["chapter_median_ms"] / printed["bare_median_ms"])
+    assert printed["overhead_percent"] == pytest.approx((printed["ratio"] - 1) * 100)
+    for repeat in [1, 2, 3]:
+        chapter_log = (log_dir / f"04-fully-sharded-data-parallel-chapter-{repeat}.log").read_text()
+        assert "started by torchrun" in chapter_log and "saved" not in chapter_log
+        bare_log = (log_dir / f"04-fully-sharded-data-parallel-bare-{repeat}.log").read_text()
+        assert json.loads(bare_log.strip().splitlines()[-1])["step_seconds"] > 0
+
+
+def test_fill_readmes_writes_a_gpu_card_into_every_section(cpu_card, tmp_path, monkeypatch):
+    card, markdown, out_dir = cpu_card
+    card_module = load_card_module()
+    fake_repo = tmp_path / "repo"
+    for readme in [REPO / "README.md", *sorted(REPO.glob("[0-9][0-9]-*/README.md"))]:
+        target = fake_repo / readme.relative_to(REPO)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(readme, target)
+    (fake_repo / "99-new-chapter").mkdir()
+    (fake_repo / "99-new-chapter" / "README.md").write_text("# 99\n\n## Run it\n\ntext\n\n## Next\n\nmore\n")
+    monkeypatch.setattr(card_module, "REPO", fake_repo)
+
+    with pytest.raises(SystemExit, match="is not a GPU card"):
+        card_module.fill_readmes(out_dir)
+    gpu_dir = tmp_path / "gpu-card"
+    gpu_dir.mkdir()
+    (gpu_dir / "card.md").write_text(card_module.render_markdown({**card, "mode": "gpu"}))
+    card_module.fill_readmes(gpu_dir)
+
+    top = (fake_repo / "README.md").read_text()
+    assert "Not yet measured on a GPU" not in top and "| 07-2d-parallel |  |" in top
+    assert top.replace(section(top), "") == (REPO / "README.md").read_text().replace(section((REPO / "README.md").read_text()), "")
+    for readme in sorted(fake_repo.glob("[0-9][0-9]-*/README.md")):
+        chapter = readme.parent.name
+        filled = section(readme.read_text())
+        assert "**Model**: `data/tiny-llama`" in filled and "Not yet measured" not in filled
+        rows = [line for line in filled.splitlines() if line.startswith("| ") and not line.startswith("| chapter")
+                and not line.startswith("| ---")]
+        if chapter == "99-new-chapter":
+            assert rows == [] and "The card has no run of 99-new-chapter." in filled
+            assert readme.read_text().index("## Measured on a GPU") < readme.read_text().index("## Next")
+            continue
+        assert rows and all(row.startswith(f"| {chapter} |") for row in rows)
+    chapter_05 = section((fake_repo / OPTIONS / "README.md").read_text())
+    assert "| 05-training-llama-405b | --activation-checkpointing |" in chapter_05
+    assert "| 01-single-gpu | " in section((fake_repo / "01-single-gpu" / "README.md").read_text())
+    card_module.fill_readmes(gpu_dir)  # again: the same text, not a second copy
+    assert (fake_repo / "README.md").read_text() == top
+
+
+def section(text):
+    begin, end = "<!-- gpu-card: begin -->", "<!-- gpu-card: end -->"
+    return text[text.index(begin):text.index(end) + len(end)]
+
+
+def test_every_readme_says_it_is_not_yet_measured_and_how_to_measure_it():
+    for readme in [REPO / "README.md", *(REPO / chapter / "README.md" for chapter in
+                                         ["01-single-gpu", "02-distributed-data-parallel", "03-job-launchers",
+                                          "04-fully-sharded-data-parallel", OPTIONS, "06-tensor-parallel",
+                                          "07-2d-parallel"])]:
+        text = readme.read_text()
+        assert text.count("## Measured on a GPU") == 1, readme
+        headings = [line for line in text.splitlines() if line.startswith("## ")]
+        assert headings[-2] == "## Measured on a GPU", readme
+        assert "Not yet measured on a GPU" in section(text)
+        assert "python tools/gpu_card.py --out gpu-card" in section(text)
+        assert "python tools/gpu_card.py --fill-readmes gpu-card" in section(text)
+
+
+def test_the_gpu_check_of_chapter_05_is_the_card(env, tmp_path):
+    """gpu_check.sh runs the card for chapters 04 and 05; without a GPU the card says so in one line."""
+    result = run(["bash", REPO / OPTIONS / "gpu_check.sh", tmp_path / "check"], env, REPO, timeout=300, check=False)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == \
+        "error: no CUDA GPU here (torch.cuda.is_available() is False); use --cpu"
+    card = json.loads((tmp_path / "check" / "card.json").read_text())
+    assert card["mode"] == "gpu" and "--only 04,05" in card["command"]
