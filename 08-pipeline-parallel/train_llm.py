@@ -16,6 +16,7 @@ On 8 nodes of 8 GPUs, one stage per node (see chapter 03's job.sbatch for the la
 
 import argparse
 import contextlib
+import datetime
 import importlib.util
 import json
 import logging
@@ -62,13 +63,15 @@ def main():
     LOGGER.info(f"started by {launcher} on {socket.gethostname()}, "
                 f"rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
 
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    # NOTE: how long a collective waits for the other ranks before the job fails. The default depends on the
+    # backend string (10 minutes for "nccl", 30 for "gloo" and for chapter 04's "cuda:nccl,cpu:gloo"), so say it.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    device = get_device(local_rank)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
-        device = torch.device("cpu")
-        dist.init_process_group(backend="gloo")
+        dist.init_process_group(backend="gloo", timeout=timeout)
     dtype = get_compute_dtype(args.dtype, device)
     LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
     experiment_dir = Path(args.save_dir) / args.experiment_name
@@ -117,15 +120,11 @@ def main():
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
+    # NOTE: fused=True runs AdamW's whole update as one kernel per group of tensors, on the GPU and on the CPU alike.
+    adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     # NOTE: the parameters are this rank's shards of its stages only, so AdamW keeps moments for those only: the
     # optimizer state is split with no change to the optimizer.
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        weight_decay=args.weight_decay,
-        fused=device.type == "cuda",
-    )
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps)
@@ -133,7 +132,7 @@ def main():
 
     # 4. Resume: if the experiment directory holds a checkpoint, training continues from it.
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
-    checkpoint_dir = find_latest_checkpoint(experiment_dir)
+    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is not None:
         train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
         LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
@@ -316,6 +315,9 @@ def get_parser():
     parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
                         help="default: online if you are logged in to wandb, offline otherwise")
     parser.add_argument("--wandb-project", default="distributed-training-guide")
+    parser.add_argument("--dist-timeout", type=int, default=600,
+                        help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
+                             "the process group's timeout, the same for every backend")
     parser.add_argument("--rdzv-timeout", type=int, default=300,
                         help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
                              "by srun or mpirun, before giving up")
@@ -325,7 +327,7 @@ def get_parser():
 def parse_args():
     args = get_parser().parse_args()
     for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
-                 "ckpt_freq"]:
+                 "ckpt_freq", "dist_timeout"]:
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -377,7 +379,7 @@ def wait_for_rendezvous(host, port, timeout, rank):
     """Wait until rank 0's rendezvous server accepts connections, or fail with the address that did not answer.
 
     NOTE: without this, a wrong MASTER_ADDR or a closed firewall port leaves every rank retrying silently until the
-    process group's timeout (30 minutes by default).
+    process group's timeout (--dist-timeout, 10 minutes by default).
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -407,6 +409,22 @@ def setup_logging(rank):
     )
 
 
+def get_device(local_rank):
+    """This process's GPU, or the CPU.
+
+    NOTE: a launcher that binds one GPU to each process (Slurm's --gpus-per-task=1, a site's GPU binding) leaves
+    every process seeing a single GPU, cuda:0, whatever its local rank: cuda:LOCAL_RANK would be an invalid device.
+    The local rank picks the GPU only where the process sees several.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    num_gpus = torch.cuda.device_count()
+    if num_gpus > 1 and local_rank >= num_gpus:
+        fail(f"local rank {local_rank} but this process sees only {num_gpus} GPUs (CUDA_VISIBLE_DEVICES="
+             f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per GPU on each node")
+    return torch.device("cuda", local_rank if num_gpus > 1 else 0)
+
+
 def get_compute_dtype(name, device):
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -419,12 +437,17 @@ def rank_zero_first():
 
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
     everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
+    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
+    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
+    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
     """
+    waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     if dist.get_rank() != 0:
-        dist.barrier()
+        dist.barrier(group=waiting_group)
     yield
     if dist.get_rank() == 0:
-        dist.barrier()
+        dist.barrier(group=waiting_group)
+    dist.destroy_process_group(waiting_group)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -452,6 +475,23 @@ def check_attention_implementation(attn_implementation, device):
     if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
         fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
              "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
+
+
+def get_attention_kwargs(attn_implementation, input_ids):
+    """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
+
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
+    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
+    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
+    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
+    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    """
+    if attn_implementation != "flash_attention_2":
+        return {}
+    batch_size, seq_length = input_ids.shape
+    boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
+    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
+            "max_length_k": seq_length}
 
 
 # --pp-schedule: torch.distributed.pipelining's schedule of each name (get_schedule_class() knows them by these).
@@ -554,9 +594,11 @@ class DecoderStage(torch.nn.Module):
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=None,
                                          cache=None, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        # NOTE: get_attention_kwargs() reads only the (micro-batch, sequence) shape of what it is given.
+        attention_kwargs = get_attention_kwargs(self.config._attn_implementation, hidden_states[:, :, 0])
         for layer in self.layers.values():
             hidden_states = layer(hidden_states, attention_mask=causal_mask, position_ids=position_ids,
-                                  position_embeddings=position_embeddings)
+                                  position_embeddings=position_embeddings, **attention_kwargs)
         if self.lm_head is None:
             return hidden_states
         return self.lm_head(self.norm(hidden_states))
@@ -749,6 +791,18 @@ def find_latest_checkpoint(experiment_dir):
     return checkpoints[-1] if checkpoints else None
 
 
+def find_latest_checkpoint_on_rank_zero(experiment_dir):
+    """The latest checkpoint as rank 0 finds it, on every rank.
+
+    NOTE: on a shared file system (NFS, Lustre) a node's directory listing can be tens of seconds old, and a
+    restarted job lists the folder seconds after the last save: ranks that each looked for themselves could resume
+    from different checkpoints, or from one just deleted. One rank looks, and every rank takes its answer.
+    """
+    choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
 def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):
     """Save everything needed to continue exactly: weights, optimizer moments, schedule, RNG, data position.
 
@@ -786,6 +840,10 @@ def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
         temporary_dir / "train_state.pt",
     )
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
+    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
+    # which saves that tokenizer next to the weights.
+    model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
+    (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
     os.replace(temporary_dir, final_dir)
     for old_dir in experiment_dir.glob("checkpoint-*"):
@@ -802,7 +860,8 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
-    train_state = torch.load(checkpoint_dir / "train_state.pt", weights_only=True)
+    # map_location="cpu" whatever device wrote the file: it holds the RNG states, which must be CPU tensors.
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state
@@ -819,14 +878,16 @@ def check_checkpoint_matches_model(checkpoint_dir, config):
              "use another --experiment-name or --save-dir, or the model it was trained with")
 
 
+# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
+# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
 def get_rng_state():
-    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(rng_state):
     torch.set_rng_state(rng_state["cpu"])
-    if rng_state["cuda"]:
-        torch.cuda.set_rng_state_all(rng_state["cuda"])
+    if torch.is_tensor(rng_state["cuda"]) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng_state["cuda"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -862,7 +923,8 @@ def get_flops_per_token(model, config, seq_length):
     if not config.tie_word_embeddings:
         num_params -= model.get_input_embeddings().weight.numel()
     num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
-    head_dim = config.hidden_size // num_heads
+    # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
 
 
@@ -874,6 +936,7 @@ PEAK_BF16_FLOPS = {
     "H100": 989e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "A10G": 70e12,
     "B200": 2250e12,
@@ -885,9 +948,10 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    for gpu, flops in PEAK_BF16_FLOPS.items():
+    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40", "H100 NVL" contains "H100".
+    for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
-            return flops
+            return PEAK_BF16_FLOPS[gpu]
     LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
     return None
 
