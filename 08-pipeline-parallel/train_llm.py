@@ -594,11 +594,12 @@ class DecoderStage(torch.nn.Module):
         causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=None,
                                          cache=None, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        # NOTE: get_attention_kwargs() reads only the (micro-batch, sequence) shape of what it is given.
+        # NOTE: get_attention_kwargs() reads only the (micro-batch, sequence) shape of what it is given. And no KV
+        # cache (use_cache=False), as in every chapter's training forward.
         attention_kwargs = get_attention_kwargs(self.config._attn_implementation, hidden_states[:, :, 0])
         for layer in self.layers.values():
             hidden_states = layer(hidden_states, attention_mask=causal_mask, position_ids=position_ids,
-                                  position_embeddings=position_embeddings, **attention_kwargs)
+                                  position_embeddings=position_embeddings, use_cache=False, **attention_kwargs)
         if self.lm_head is None:
             return hidden_states
         return self.lm_head(self.norm(hidden_states))
@@ -1203,8 +1204,8 @@ def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
     idle_fractions = [1 - stats["busy_ms"] / pipeline_ms for stats in first_pipeline]
     LOGGER.info(f"pipeline {args.pp_schedule}, {num_microbatches} micro-batches, {pipeline_ms:.0f} ms: " + "; ".join(
         f"stages {stats['stages']} busy {stats['busy_ms']:.0f} ms, idle {pipeline_ms - stats['busy_ms']:.0f} ms "
-        f"({idle:.0%}), activations held at most {stats['peak_activations_mb']:.1f} MB "
-        f"({stats['peak_microbatches']} micro-batches)" for stats, idle in zip(first_pipeline, idle_fractions)))
+        f"({idle:.0%}), peak activations {stats['peak_activations_mb']:.1f} MB (micro-batches in flight: "
+        f"{stats['peak_microbatches']})" for stats, idle in zip(first_pipeline, idle_fractions)))
     pipeline_file.write(json.dumps({"step": step, "schedule": args.pp_schedule, "pp": args.pp,
                                     "microbatches": num_microbatches, "ranks": all_stats}) + "\n")
     pipeline_file.flush()

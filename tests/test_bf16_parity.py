@@ -34,6 +34,8 @@ CHAPTER_RUNS = {
     # NOTE: the tensor-parallel ranks of 06, and of 07 at dp 1 x tp 2, all read the whole batch.
     "06": (2, ["--batch-size", "4"], AUTOCAST_TOLERANCE),
     "07": (2, ["--tp", "2", "--batch-size", "4"], FSDP_BF16_TOLERANCE),
+    # NOTE: 2 stages, 2 micro-batches: the hidden states cross from stage to stage in bf16.
+    "08": (2, ["--pp", "2", "--batch-size", "4", "--pp-microbatches", "2"], FSDP_BF16_TOLERANCE),
 }
 
 
