@@ -103,9 +103,10 @@ def main():
         stage_module.to_empty(device=device)
     init_weights(model, args.seed)
     reset_rotary_embeddings(model, device)
+    stages_held = ", ".join(f"stage {stage.stage_index} (layers {', '.join(stage.layers)})" for stage in stage_modules)
     LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers; this rank runs "
-                + ", ".join(f"stage {stage.stage_index} (layers {', '.join(stage.layers)})" for stage in stage_modules)
-                + f" of {args.pp * stages_per_rank}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+                f"{stages_held} of {args.pp * stages_per_rank}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+                "parameters")
 
     # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
     with rank_zero_first():

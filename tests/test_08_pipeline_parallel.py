@@ -1,5 +1,5 @@
-"""Chapter 08: pipeline parallelism on CPU processes (gloo) trains exactly as chapter 01 does with the same global batch,
-for each schedule and with FSDP inside the stages, with gradient clipping that binds; each schedule runs the
+"""Chapter 08: pipeline parallelism on CPU processes (gloo) trains exactly as chapter 01 does with the same global
+batch, for each schedule and with FSDP inside the stages, with gradient clipping that binds; each schedule runs the
 micro-batches in its own order and holds the activations it should; resume is exact, a checkpoint resumes at another
 --pp and in chapter 04; a layout that cannot be made gets a one-line error.
 
@@ -11,11 +11,12 @@ Every run trains 6 steps of 4 sequences of 64 tokens.
 import json
 import shlex
 import shutil
+import sys
 
 import pytest
 
 from helpers import (CHAPTERS, REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script,
-                     max_difference, read_losses, read_metrics, train)
+                     max_difference, read_losses, read_metrics, run, train)
 
 README = REPO / CHAPTERS["08"] / "README.md"
 STEPS, HALF = 6, 3
@@ -90,8 +91,9 @@ def test_every_schedule_and_layout_matches_one_process_with_the_same_global_batc
     weight_difference = largest_weight_difference(reference / FINAL_CHECKPOINT, experiment / FINAL_CHECKPOINT,
                                                   tmp_path)
     print(f"\nparity {case} vs chapter 01: largest loss difference {loss_difference:.1e}, relative gradient norm "
-          f"difference {norm_difference:.1e}, weights {weight_difference:.1e} after {STEPS} steps (clipped at {MAX_GRAD_NORM}; "
-          f"norms {min(r['grad_norm'] for r in records):.2f} to {max(r['grad_norm'] for r in records):.2f})")
+          f"difference {norm_difference:.1e}, weights {weight_difference:.1e} after {STEPS} steps (clipped at "
+          f"{MAX_GRAD_NORM}; norms {min(r['grad_norm'] for r in records):.2f} to "
+          f"{max(r['grad_norm'] for r in records):.2f})")
     pp = int(LAYOUTS[case][1][1])
     assert f"device mesh: {{'pp': {pp}, 'dp': {LAYOUTS[case][0] // pp}}}" in result.stdout
     # Clipping binds at every step, and the norm is the whole model's: chapter 01's. FSDP over 2 ranks alone (as in
@@ -236,6 +238,21 @@ def test_a_checkpoint_resumes_exactly_at_the_same_layout_at_another_pp_and_in_ch
         assert loss_difference <= 1e-6 and weight_difference == 0.0
     else:
         assert loss_difference <= 1e-5 and weight_difference <= 2e-4
+
+
+def test_chapter_04s_converter_turns_a_pipeline_checkpoint_into_a_hugging_face_model(env, runs, tmp_path):
+    """convert_to_hf.py of chapter 04 reads the shards of both stages into one model: from_pretrained() gives the
+    checkpoint's weights, every one of them, exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, experiment = layout_run(runs, env, "pp2-1f1b")
+    run([sys.executable, REPO / CHAPTERS["04"] / "convert_to_hf.py", experiment / FINAL_CHECKPOINT,
+         "-o", tmp_path / "hf"], env, tmp_path)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    saved = checkpoint_weights(experiment / FINAL_CHECKPOINT, tmp_path)
+    assert converted.keys() == saved.keys()
+    assert all(torch.equal(converted[name], saved[name]) for name in saved)
 
 
 BAD_LAYOUTS = {
