@@ -628,10 +628,12 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
         plan = [item for item in plan if isinstance(item, ProcessRun)] + \
             [item for item in plan if isinstance(item, BenchmarkRun)]
     for item in plan:
-        if not gpu and isinstance(item, ProcessRun):
+        if not gpu:
             # NOTE: on the CPU the timings mean nothing (a tiny model, a shared machine): the runs go in parallel,
-            # as many as there are cores, and only the benchmark runs alone.
-            item.parallel = True
+            # as many as there are cores, and only the benchmark runs alone. They share the cores with each other
+            # (and in CI with other jobs): longer timeouts.
+            item.parallel = isinstance(item, ProcessRun)
+            item.timeout = max(item.timeout, 600)
         if isinstance(item, ProcessRun) and item.chapter:
             missing = missing_flags(item.chapter, item.command)
             if missing:
@@ -719,9 +721,7 @@ def execute(card, runs, on_finished=None):
                 record.update(status="skipped", error="the time budget (--budget-s) is spent")
                 finished(record)
             else:
-                # NOTE: on the CPU the runs share the cores with each other (and, in CI, with other jobs).
-                timeout = run.timeout if card.mode == "gpu" else max(run.timeout, 600)
-                timeout = timeout if left is None else min(timeout, left)
+                timeout = run.timeout if left is None else min(run.timeout, left)
                 active.append(start_process(card, run, record, timeout))
         time.sleep(0.2)
         for process in list(active):
