@@ -146,7 +146,8 @@ def main():
         card.data["planned"] = [item.name for item in plan]
         card.write()
 
-        # 2.-5. The runs, in the order of the plan: chapters, checks, benchmark, chapter 05's options.
+        # 2.-6. The runs, in the order of the plan: chapters, checks, chapter 05's quick options, the benchmark,
+        # the options that step on the CPU. Each run's result is on the card as soon as it ends.
         for group in group_parallel_runs(plan):
             if len(group) == 1 and isinstance(group[0], BenchmarkRun):
                 run_benchmark(card, group[0])
@@ -1000,7 +1001,9 @@ def render_markdown(data):
 
 def header_lines(data):
     environment, settings = data["environment"], data["settings"]
-    if not data["finished"]:
+    if data.get("stopped"):
+        status = f"**Status**: stopped: {data['stopped']}"
+    elif not data["finished"]:
         done = len(data["runs"])
         status = f"**Status**: in progress, {done} of {len(data['planned']) + 1} runs, {data['elapsed_s']:.0f} s"
     else:
