@@ -146,7 +146,8 @@ def main():
         card.data["planned"] = [item.name for item in plan]
         card.write()
 
-        # 2.-5. The runs, in the order of the plan: chapters, checks, benchmark, chapter 05's options.
+        # 2.-6. The runs, in the order of the plan: chapters, checks, chapter 05's quick options, the benchmark,
+        # the options that step on the CPU. Each run's result is on the card as soon as it ends.
         for group in group_parallel_runs(plan):
             if len(group) == 1 and isinstance(group[0], BenchmarkRun):
                 run_benchmark(card, group[0])
@@ -351,7 +352,9 @@ def probe(settings):
         properties = torch.cuda.get_device_properties(0)
         environment["gpu_memory_gb"] = round(properties.total_memory / 1e9, 1)
         environment["cuda_version"] = torch.version.cuda
-        environment["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        nccl_version = torch.cuda.nccl.version()
+        environment["nccl_version"] = ".".join(map(str, nccl_version)) if isinstance(nccl_version, tuple) \
+            else str(nccl_version)
         environment["driver"] = nvidia_smi_driver()
     environment["cpu_count"] = os.cpu_count()
     if environment["missing"] or (settings["mode"] == "gpu" and not environment["cuda"]):
@@ -384,27 +387,36 @@ def nvidia_smi_driver():
 
 
 def measure_matmul_ceiling(torch, on_gpu):
-    """TFLOP/s of a bf16 8192^3 matmul on the GPU (fp32 1024^3 on the CPU): mean of 10 after 3 warm-ups."""
+    """TFLOP/s of a bf16 8192^3 matmul of random values on the GPU (fp32 1024^3 on the CPU): the best of 3 rounds of
+    10 products, after a second of warm-up.
+
+    NOTE: an idle GPU runs its clocks low (345 MHz instead of 1980 on an H200, by nvidia-smi): the warm-up is long
+    enough for them to rise, and the best round is what the GPU delivers with them up.
+    """
     size, dtype = (8192, torch.bfloat16) if on_gpu else (1024, torch.float32)
     device = "cuda" if on_gpu else "cpu"
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    if on_gpu:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(10):
-            a @ b
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1e3 / 10
-    else:
+
+    def seconds_per_product(count):
+        if on_gpu:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(count):
+                a @ b
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 1e3 / count
         started = time.perf_counter()
-        for _ in range(10):
+        for _ in range(count):
             a @ b
-        seconds = (time.perf_counter() - started) / 10
+        return (time.perf_counter() - started) / count
+
+    warm_up_until = time.perf_counter() + 1.0
+    while time.perf_counter() < warm_up_until:
+        seconds_per_product(3)
+    seconds = min(seconds_per_product(10) for _ in range(3))
     return {"size": size, "dtype": str(dtype).removeprefix("torch."), "tflops": 2 * size ** 3 / seconds / 1e12}
 
 
@@ -617,10 +629,12 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
         plan = [item for item in plan if isinstance(item, ProcessRun)] + \
             [item for item in plan if isinstance(item, BenchmarkRun)]
     for item in plan:
-        if not gpu and isinstance(item, ProcessRun):
+        if not gpu:
             # NOTE: on the CPU the timings mean nothing (a tiny model, a shared machine): the runs go in parallel,
-            # as many as there are cores, and only the benchmark runs alone.
-            item.parallel = True
+            # as many as there are cores, and only the benchmark runs alone. They share the cores with each other
+            # (and in CI with other jobs): longer timeouts.
+            item.parallel = isinstance(item, ProcessRun)
+            item.timeout = max(item.timeout, 600)
         if isinstance(item, ProcessRun) and item.chapter:
             missing = missing_flags(item.chapter, item.command)
             if missing:
@@ -658,20 +672,40 @@ def group_parallel_runs(plan):
 
 
 def run_group(card, group):
-    for record in execute(card, group):
-        run = next(item for item in group if item.name == record["name"])
-        if record["status"] in ("ok", "failed", "timed out") and run.kind != "probe":
+    """Run a group (one run, or checks in parallel); each run is read and the card rewritten as soon as it ends."""
+    runs = {run.name: run for run in group}
+
+    def record_finished(record):
+        run = runs[record["name"]]
+        if record["status"] in ("ok", "failed", "timed out"):
             summarize_run(card, run, record)
         card.data["runs"] = [existing for existing in card.data["runs"] if existing["name"] != record["name"]]
         card.data["runs"].append(record)
+        card.write()
+
+    execute(card, group, record_finished)
+    # NOTE: in a parallel group a run may end before the run its losses are compared with.
+    for run in group:
+        record = card.run(run.name)
+        if run.reference and record.get("losses"):
+            record["loss_match"] = compare_losses(card, record, run.reference)
 
 
-def execute(card, runs):
-    """Start the runs (up to max_parallel at once), wait for them under their timeouts, and return their records."""
+def execute(card, runs, on_finished=None):
+    """Start the runs (several at once where they are parallel), wait for them under their timeouts (cut to the
+    budget left), and return their records in the order of the runs; on_finished(record) as each one ends."""
     max_parallel = 8 if card.mode == "gpu" else max(2, os.cpu_count() or 1)
     records = {}
     pending = list(runs)
     active = []
+
+    def finished(record):
+        print(f"gpu_card: {record['name']}: {record['status']}"
+              f"{' (' + record['error'] + ')' if record.get('error') else ''} in {record['seconds']:.0f}s",
+              flush=True)
+        if on_finished:
+            on_finished(record)
+
     while pending or active:
         while pending and len(active) < max_parallel:
             run = pending.pop(0)
@@ -683,20 +717,18 @@ def execute(card, runs):
             if getattr(run, "missing_flags", None):
                 record.update(status="failed", error=f"the script has no {', '.join(run.missing_flags)} flag: "
                                                      "fix the card's CHAPTER_ARGS")
-                continue
-            if left is not None and left < 15:
+                finished(record)
+            elif left is not None and left < 15:
                 record.update(status="skipped", error="the time budget (--budget-s) is spent")
-                continue
-            timeout = run.timeout if left is None else min(run.timeout, left)
-            active.append(start_process(card, run, record, timeout))
+                finished(record)
+            else:
+                timeout = run.timeout if left is None else min(run.timeout, left)
+                active.append(start_process(card, run, record, timeout))
         time.sleep(0.2)
         for process in list(active):
             if process.poll():
                 active.remove(process)
-                record = process.record
-                print(f"gpu_card: {record['name']}: {record['status']}"
-                      f"{' (' + record['error'] + ')' if record.get('error') else ''} in {record['seconds']:.0f}s",
-                      flush=True)
+                finished(process.record)
     return [records[run.name] for run in runs]
 
 
@@ -895,7 +927,7 @@ def compare_losses(card, record, reference_name):
 def run_benchmark(card, benchmark):
     run = ProcessRun(name=benchmark.name, chapter=benchmark.chapter, options=[], kind="benchmark",
                      command=benchmark.command, timeout=benchmark.timeout)
-    record = execute(card, [run])[0]
+    record, = execute(card, [run])
     json_out = Path(benchmark.command[benchmark.command.index("--json-out") + 1])
     if record["status"] == "ok":
         if json_out.exists():
@@ -932,11 +964,17 @@ def render_markdown(data):
                          f"{', '.join(f'{ms:.1f}' for ms in result['bare_step_ms'])}; "
                          f"{', '.join(f'{ms:.1f}' for ms in result['chapter_step_ms'])} |")
     checks = [run for run in data["runs"] if run["kind"] == "check"]
-    if checks:
+    flash_unmeasured = data["mode"] == "gpu" and environment.get("model") and not environment.get("flash_attn") \
+        and OPTIONS_CHAPTER in data["chapter_args"]
+    if checks or flash_unmeasured:
         lines += ["", "Checks:", ""]
         for run in checks:
             lines.append(f"- {run['chapter']} {' '.join(run['options'])}: {check_result(run)}"
                          f"{' (' + run['note'] + ')' if run.get('note') else ''}")
+        if flash_unmeasured:
+            lines.append(f"- {OPTIONS_CHAPTER} --attn-implementation flash_attention_2 --batch-size 1: not measured: "
+                         "flash-attn does not import here; a flash-attn wheel built for this torch and CUDA "
+                         "would let the card count its syncs per layer (issue 12 item 6)")
     problems = [run for run in data["runs"] if run["status"] not in ("ok", "expected error")]
     sync_notes = [run for run in data["runs"] if (run.get("syncs") or {}).get("syncs_in_audited_steps")]
     expected_errors = [run for run in data["runs"] if run["status"] == "expected error"]
@@ -963,7 +1001,9 @@ def render_markdown(data):
 
 def header_lines(data):
     environment, settings = data["environment"], data["settings"]
-    if not data["finished"]:
+    if data.get("stopped"):
+        status = f"**Status**: stopped: {data['stopped']}"
+    elif not data["finished"]:
         done = len(data["runs"])
         status = f"**Status**: in progress, {done} of {len(data['planned']) + 1} runs, {data['elapsed_s']:.0f} s"
     else:
@@ -1075,7 +1115,7 @@ def fill_readmes(card_dir):
     for readme in sorted(REPO.glob("[0-9][0-9]-*/README.md")):
         chapter = readme.parent.name
         rows = [line for line in body.splitlines() if line.startswith(f"| {chapter} |")]
-        checks = [line for line in body.splitlines() if line.startswith(f"- {chapter} ")]
+        checks = [line for line in body.splitlines() if re.match(rf"- {re.escape(chapter)}[ +:]", line)]
         tables = [line for line in body.splitlines() if line.startswith("| chapter |")]
         parts = [source, "\n".join(header)]
         main_rows = [row for row in rows if row.count("|") == 11]
@@ -1096,8 +1136,8 @@ def fill_readmes(card_dir):
 
 def not_measured_section():
     return ("Not yet measured on a GPU. On a machine with CUDA GPUs, from the repository root, the first command "
-            "measures every\nchapter in about 8 minutes (`python tools/gpu_card.py --help` says what and how), the "
-            "second writes the numbers here:\n\n```bash\npython tools/gpu_card.py --out gpu-card\n"
+            "measures every chapter\nin at most 8 minutes (`python tools/gpu_card.py --help` says what and how), "
+            "the second writes the numbers here:\n\n```bash\npython tools/gpu_card.py --out gpu-card\n"
             "python tools/gpu_card.py --fill-readmes gpu-card\n```")
 
 

@@ -13,6 +13,8 @@ CARD_SYNC_AUDIT=FILE      count the host-device synchronizations (torch.cuda.set
                           "where": {"file:line (train_llm.py:line)": count}}. syncs_before_step[k] counts those made
                           after step k-1's optimizer step and until step k's: the end of step k-1 (its logging, if it
                           was a logging step) and the whole of step k up to its optimizer step.
+
+Any sitecustomize this one hides on the path (the installation's own, or the tests' fault injection) runs first.
 """
 
 import os
@@ -87,5 +89,20 @@ def script_line():
     return "not from train_llm.py"
 
 
+def run_shadowed_sitecustomize():
+    """Run the sitecustomize this file hides, if any: an installation may use one (to set paths, say), and the tests'
+    fault injection (tests/faults) is one too."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest_of_path = [entry for entry in sys.path if os.path.abspath(entry or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest_of_path)
+    if spec is not None and spec.origin and os.path.abspath(spec.origin) != os.path.abspath(__file__):
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+run_shadowed_sitecustomize()
 if (os.environ.get("CARD_STOP_AFTER_STEP") or os.environ.get("CARD_SYNC_AUDIT")) and sys.argv[0].endswith("train_llm.py"):
     install()
