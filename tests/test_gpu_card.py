@@ -346,7 +346,7 @@ def test_every_readme_says_it_is_not_yet_measured_and_how_to_measure_it():
     for readme in [REPO / "README.md", *(REPO / chapter / "README.md" for chapter in
                                          ["01-single-gpu", "02-distributed-data-parallel", "03-job-launchers",
                                           "04-fully-sharded-data-parallel", OPTIONS, "06-tensor-parallel",
-                                          "07-2d-parallel"])]:
+                                          "07-2d-parallel", "08-pipeline-parallel"])]:
         text = readme.read_text()
         assert text.count("## Measured on a GPU") == 1, readme
         headings = [line for line in text.splitlines() if line.startswith("## ")]
