@@ -20,6 +20,7 @@ CHAPTERS = {
     "05": "05-training-llama-405b",
     "06": "06-tensor-parallel",
     "07": "07-2d-parallel",
+    "08": "08-pipeline-parallel",
     "09": "09-context-parallel",
 }
 TINY_MODEL = REPO / "data" / "tiny-llama"

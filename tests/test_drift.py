@@ -55,6 +55,17 @@ LINEAGE = {
         "get_parser": "without --cpu-offload: tensor parallelism does not offload",
         "init_weights": "its comment: tensor parallelism splits each weight into slices, where FSDP shards it",
     },
+    ("04", "08"): {
+        "main": "pipeline parallelism on a (pp, dp) mesh: the model cut into stages, FSDP inside each stage, one "
+                "pipeline schedule per micro-step, the loss on the last stage only, the gradient norm over all "
+                "stages, tokens counted once per pipeline, and the pipeline's idle time logged; no --cpu-offload",
+        "get_parser": "the --pp, --pp-schedule, --pp-microbatches and --pp-stages-per-rank options, without "
+                      "--cpu-offload",
+        "shard_model": "each stage sharded on its own over the dp ranks of the mesh, its layers kept gathered "
+                       "after forward with pp > 1: they run a forward for every micro-batch",
+        "save_checkpoint": "each rank's optimizer holds its own stages only: the saved parameter group lists the "
+                           "names of all stages, so the checkpoint loads at any --pp and in chapter 04",
+    },
     ("06", "07"): {
         "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes",
         "get_parser": "the --tp and --dp-replicate options",

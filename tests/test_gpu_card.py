@@ -46,7 +46,7 @@ def cpu_card(card_cache, env, tmp_path_factory):
         out_dir = tmp_path_factory.mktemp("cpu-card")
         card_cache["card"] = None  # NOTE: a card that overran is not made again by the next test
         started = time.monotonic()
-        result = run([sys.executable, CARD, "--cpu", "--out", out_dir], env, REPO, timeout=1800, check=False)
+        result = run([sys.executable, CARD, "--cpu", "--out", out_dir], env, REPO, timeout=2300, check=False)
         card_cache["card"] = (result, out_dir, time.monotonic() - started)
         print(f"CPU card: {time.monotonic() - started:.0f}s\n{(out_dir / 'card.md').read_text()}")
     assert card_cache["card"] is not None, "the CPU card did not finish (see the first test that asked for it)"
@@ -55,10 +55,16 @@ def cpu_card(card_cache, env, tmp_path_factory):
     return json.loads((out_dir / "card.json").read_text()), (out_dir / "card.md").read_text(), out_dir
 
 
+# NOTE: the first test to ask for the CPU card waits for it: about 30 processes, under 2 minutes on 2 free cores, far
+# longer on a machine whose cores other jobs share (pytest.ini stops a test at 15 minutes).
+CARD_TIMEOUT = pytest.mark.timeout(2400)
+
+
 def by_name(card):
     return {run["name"]: run for run in card["runs"]}
 
 
+@CARD_TIMEOUT
 def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
     card, markdown, out_dir = cpu_card
     runs = by_name(card)
@@ -69,7 +75,9 @@ def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
         assert record["status"] == "ok", record
         assert record["tokens_per_second"] > 0 and record["memory_rss_gb"] > 0
         assert record["fraction_of_ceiling"] > 0
-        assert set(record["step_ms"]) == {"data", "forward", "backward", "update"}
+        # NOTE: chapter 08 also logs the time its stages waited inside the pipeline schedule.
+        assert set(record["step_ms"]) == {"data", "forward", "backward", "update"} | (
+            {"idle"} if chapter == "08-pipeline-parallel" else set())
         assert record["mfu"] is None and record["syncs"]["per_step"] is None
         assert len(record["losses"]) == card["settings"]["steps"] // card["settings"]["log_freq"]
         assert (out_dir / record["log"]).exists()
@@ -84,6 +92,7 @@ def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
     assert "08-pipeline-parallel" not in CHAPTER_DIRS or "--pp 1" in markdown
 
 
+@CARD_TIMEOUT
 def test_the_cpu_card_benchmarks_the_step_overhead(cpu_card):
     card, markdown, out_dir = cpu_card
     # NOTE: on the CPU the card benchmarks chapter 01 only; chapter 04's benchmark is the next test's.
@@ -99,6 +108,7 @@ def test_the_cpu_card_benchmarks_the_step_overhead(cpu_card):
         assert f"| {result['overhead_percent']:+.1f}% |" in row
 
 
+@CARD_TIMEOUT
 def test_the_cpu_card_runs_chapter_05s_options_and_the_checks(cpu_card):
     card, markdown, out_dir = cpu_card
     runs = by_name(card)
@@ -286,6 +296,7 @@ def test_the_benchmark_times_both_loops_in_fresh_processes_alternately(env, tmp_
         assert json.loads(bare_log.strip().splitlines()[-1])["step_seconds"] > 0
 
 
+@CARD_TIMEOUT
 def test_fill_readmes_writes_a_gpu_card_into_every_section(cpu_card, tmp_path, monkeypatch):
     card, markdown, out_dir = cpu_card
     card_module = load_card_module()
@@ -335,7 +346,7 @@ def test_every_readme_says_it_is_not_yet_measured_and_how_to_measure_it():
     for readme in [REPO / "README.md", *(REPO / chapter / "README.md" for chapter in
                                          ["01-single-gpu", "02-distributed-data-parallel", "03-job-launchers",
                                           "04-fully-sharded-data-parallel", OPTIONS, "06-tensor-parallel",
-                                          "07-2d-parallel"])]:
+                                          "07-2d-parallel", "08-pipeline-parallel"])]:
         text = readme.read_text()
         assert text.count("## Measured on a GPU") == 1, readme
         headings = [line for line in text.splitlines() if line.startswith("## ")]

@@ -146,7 +146,8 @@ def main():
         card.data["planned"] = [item.name for item in plan]
         card.write()
 
-        # 2.-5. The runs, in the order of the plan: chapters, checks, benchmark, chapter 05's options.
+        # 2.-6. The runs, in the order of the plan: chapters, checks, chapter 05's quick options, the benchmark,
+        # the options that step on the CPU. Each run's result is on the card as soon as it ends.
         for group in group_parallel_runs(plan):
             if len(group) == 1 and isinstance(group[0], BenchmarkRun):
                 run_benchmark(card, group[0])
@@ -628,10 +629,12 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
         plan = [item for item in plan if isinstance(item, ProcessRun)] + \
             [item for item in plan if isinstance(item, BenchmarkRun)]
     for item in plan:
-        if not gpu and isinstance(item, ProcessRun):
+        if not gpu:
             # NOTE: on the CPU the timings mean nothing (a tiny model, a shared machine): the runs go in parallel,
-            # as many as there are cores, and only the benchmark runs alone.
-            item.parallel = True
+            # as many as there are cores, and only the benchmark runs alone. They share the cores with each other
+            # (and in CI with other jobs): longer timeouts.
+            item.parallel = isinstance(item, ProcessRun)
+            item.timeout = max(item.timeout, 600)
         if isinstance(item, ProcessRun) and item.chapter:
             missing = missing_flags(item.chapter, item.command)
             if missing:
@@ -719,9 +722,7 @@ def execute(card, runs, on_finished=None):
                 record.update(status="skipped", error="the time budget (--budget-s) is spent")
                 finished(record)
             else:
-                # NOTE: on the CPU the runs share the cores with each other (and, in CI, with other jobs).
-                timeout = run.timeout if card.mode == "gpu" else max(run.timeout, 600)
-                timeout = timeout if left is None else min(timeout, left)
+                timeout = run.timeout if left is None else min(run.timeout, left)
                 active.append(start_process(card, run, record, timeout))
         time.sleep(0.2)
         for process in list(active):
@@ -1000,7 +1001,9 @@ def render_markdown(data):
 
 def header_lines(data):
     environment, settings = data["environment"], data["settings"]
-    if not data["finished"]:
+    if data.get("stopped"):
+        status = f"**Status**: stopped: {data['stopped']}"
+    elif not data["finished"]:
         done = len(data["runs"])
         status = f"**Status**: in progress, {done} of {len(data['planned']) + 1} runs, {data['elapsed_s']:.0f} s"
     else:

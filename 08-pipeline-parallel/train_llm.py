@@ -1,0 +1,1216 @@
+"""Chapter 08: pipeline parallelism: the model's layers cut into stages, micro-batches flowing through them.
+
+The ranks form a (pp, dp) grid. Each row of dp ranks runs one stage, a run of consecutive decoder layers, and shards
+it between them with FSDP as in chapter 04. Each batch is cut into micro-batches that flow through the stages one
+after the other: while stage 1 computes micro-batch 0, stage 0 computes micro-batch 1. Only the activations (forward)
+and their gradients (backward) cross between stages, point to point, from one stage to the next.
+
+On a machine without a GPU, 2 stages:
+
+    torchrun --standalone --nproc-per-node 2 08-pipeline-parallel/train_llm.py --pp 2
+
+On 8 nodes of 8 GPUs, one stage per node (see chapter 03's job.sbatch for the launch):
+
+    torchrun --nnodes 8 --nproc-per-node 8 ... 08-pipeline-parallel/train_llm.py --pp 8 --seq-length 1024 --batch-size 16 -m meta-llama/Llama-3.1-70B -d tatsu-lab/alpaca -e llama-70b-pp
+"""
+
+import argparse
+import contextlib
+import datetime
+import importlib.util
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import socket
+import sys
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import wandb
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import distribute_tensor
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.masking_utils import create_causal_mask
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOGGER = logging.getLogger("train_llm")
+
+
+# NOTE: @record writes this process's exception to the file torchrun names in TORCHELASTIC_ERROR_FILE, so the
+# job's error summary shows the failing rank's traceback instead of a bare "exit code 1".
+@record
+def main():
+    args = parse_args()
+    launcher, rank, local_rank, world_size = get_distributed_environment(args.rdzv_timeout)
+    setup_logging(rank)
+    LOGGER.info(f"arguments: {vars(args)}")
+    LOGGER.info(f"started by {launcher} on {socket.gethostname()}, "
+                f"rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+
+    # NOTE: how long a collective waits for the other ranks before the job fails. The default depends on the
+    # backend string (10 minutes for "nccl", 30 for "gloo" and for chapter 04's "cuda:nccl,cpu:gloo"), so say it.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    device = get_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    dtype = get_compute_dtype(args.dtype, device)
+    LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
+    experiment_dir = Path(args.save_dir) / args.experiment_name
+    experiment_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. The model: built from its config (untrained), cut into stages, every parameter initialized from the seed.
+    with rank_zero_first():
+        config = load_model_config(args.model_name)
+    check_sequence_length(args.seq_length, config)
+    check_attention_implementation(args.attn_implementation, device)
+    stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
+    # NOTE: the pp dimension first: consecutive ranks (one node's GPUs) hold the same stage and shard it between
+    # them with FSDP; only the activations at the stage boundaries cross to the next row (the next node).
+    mesh = init_device_mesh(device.type, (args.pp, world_size // args.pp), mesh_dim_names=("pp", "dp"))
+    pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
+    LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
+    # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"
+    # in a second on any machine. split_into_stages() then drops what other ranks' stages own, fully_shard()
+    # replaces every parameter by a DTensor holding this rank's shard, still on meta; to_empty() allocates only
+    # those shards on the device; init_weights() fills them.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
+    # NOTE: counted on the whole model, before it is cut: every token goes through every stage once.
+    num_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = get_flops_per_token(model, config, args.seq_length)
+    stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank)
+    for stage_module in stage_modules:
+        shard_model(stage_module, dp_mesh, dtype, args.pp)
+        stage_module.to_empty(device=device)
+    init_weights(model, args.seed)
+    reset_rotary_embeddings(model, device)
+    stages_held = ", ".join(f"stage {stage.stage_index} (layers {', '.join(stage.layers)})" for stage in stage_modules)
+    LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers; this rank runs "
+                f"{stages_held} of {args.pp * stages_per_rank}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M "
+                "parameters")
+
+    # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
+    with rank_zero_first():
+        tokenizer = load_tokenizer(args.model_name)
+        dataset = load_and_tokenize_dataset(args, tokenizer)
+    # NOTE: the stages of one pipeline read the same batch (the first needs the tokens, the last the labels); data
+    # parallelism runs across the pipelines. The data-parallel rank and size come from the mesh's dp dimension only.
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    samples_per_step = args.batch_size * args.grad_accum * dp_size
+    steps_per_epoch = len(dataset) // samples_per_step
+    check_dataset_size(len(dataset), samples_per_step, args)
+    LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # 3. The optimizer and the learning rate schedule.
+    # NOTE: fused=True runs AdamW's whole update as one kernel per group of tensors, on the GPU and on the CPU alike.
+    adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
+    # NOTE: the parameters are this rank's shards of its stages only, so AdamW keeps moments for those only: the
+    # optimizer state is split with no change to the optimizer.
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
+    max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps)
+    )
+
+    # 4. Resume: if the experiment directory holds a checkpoint, training continues from it.
+    train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
+    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
+    if checkpoint_dir is not None:
+        train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
+        LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
+
+    # 5. Experiment tracking: wandb (online if you are logged in, offline otherwise) and metrics.jsonl, on rank 0.
+    if rank == 0:
+        wandb.init(
+            project=args.wandb_project,
+            name=args.experiment_name,
+            id=get_wandb_run_id(experiment_dir),
+            resume="allow",
+            dir=experiment_dir,
+            mode=get_wandb_mode(args.wandb_mode),
+            config=vars(args),
+        )
+        metrics_file = open(experiment_dir / "metrics.jsonl", "a")
+        pipeline_file = open(experiment_dir / "pipeline.jsonl", "a")
+    peak_flops = get_peak_flops(device, dtype)
+
+    # 6. The training loop, one pipeline schedule per micro-step.
+    model.train()
+    timer = StepTimer(device)
+    recorder = PipelineRecorder(timer)
+    # NOTE: the loss of each micro-batch is its mean over its tokens, divided by the number of micro-batches of the
+    # step: their sum is the mean over the whole batch, chapter 01's loss. scale_grads=False in the schedule then,
+    # or it would divide the gradients by the number of micro-batches a second time.
+    loss_fn = recorder.timed_loss(get_loss_function(model, config, num_microbatches * args.grad_accum))
+    schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device, recorder)
+    progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
+                        disable=rank != 0)
+    steps_this_run = 0
+    tokens_since_log = 0
+    time_of_last_log = time.perf_counter()
+    reset_peak_memory(device)
+    done = train_state["step"] >= max_steps
+    while not done:
+        dataloader = get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
+                                    dp_rank, dp_size)
+        micro_batches = iter(dataloader)
+        for _ in range(len(dataloader) // args.grad_accum):
+            timer.reset()
+            recorder.reset()
+            step_loss = torch.zeros((), device=device)
+            for _ in range(args.grad_accum):
+                with timer("data"):
+                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                # NOTE: one call runs the whole schedule: it cuts the batch into micro-batches, runs this rank's
+                # stages' forwards and backwards in the schedule's order, receives and sends the activations and
+                # their gradients, and reduce-scatters the gradients (FSDP) after the last backward. The first stage
+                # takes the tokens, the last the labels (Hugging Face's loss shifts them: token t predicts t + 1).
+                losses = [] if has_last_stage else None
+                with timer("pipeline"):
+                    schedule.step(*([input_ids] if has_first_stage else []),
+                                  target=input_ids if has_last_stage else None, losses=losses, return_outputs=False)
+                # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
+                # the GPU to finish every step; we read the value only on logging steps. Only the last stage has
+                # a loss; the others add nothing.
+                if has_last_stage:
+                    step_loss += torch.stack(losses).sum().detach()
+            with timer("update"):
+                grad_norm = clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, pp_mesh.get_group())
+                optimizer.step()
+                if steps_this_run == 0:
+                    log_memory_held(model, optimizer)
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            train_state["step"] += 1
+            train_state["samples_seen_in_epoch"] += samples_per_step
+            steps_this_run += 1
+            tokens_since_log += samples_per_step * args.seq_length
+            progress_bar.update()
+            step = train_state["step"]
+            done = step == max_steps or steps_this_run == args.exit_after_steps
+
+            if step % args.log_freq == 0 or done:
+                # NOTE: each last-stage rank's loss is the mean over its own share of the batch, every other rank's
+                # is 0: the sum over all ranks divided by the dp size is the loss of the global batch, and it
+                # reaches rank 0 (on the first stage) with it. (gloo has no ReduceOp.AVG, so sum and divide.)
+                dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+                step_loss /= dp_size
+                # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
+                # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
+                loss_value = step_loss.item()
+                seconds = time.perf_counter() - time_of_last_log
+                time_of_last_log = time.perf_counter()
+                tokens_per_second = tokens_since_log / seconds
+                times = timer.read_ms()
+                # NOTE: the forward (with the loss) and backward spans lie inside the pipeline span: the rest of it,
+                # this rank waited for its neighbours (the bubble) or for the point-to-point transfers.
+                times["idle"] = times.pop("pipeline") - times["forward"] - times["backward"]
+                pipeline_stats = gather_pipeline_stats(recorder, timer, rank, pp_mesh.get_local_rank(), dp_rank)
+                record = {
+                    "step": step,
+                    "epoch": train_state["epoch"],
+                    "loss": loss_value,
+                    "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(),
+                    "tokens_per_second": tokens_per_second,
+                    "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
+                    **get_memory_stats(device),
+                    **{f"time_{name}_ms": ms for name, ms in times.items()},
+                }
+                if rank == 0:
+                    record["pipeline_idle_fraction"] = log_pipeline_stats(step, args, num_microbatches, pipeline_stats,
+                                                                          pipeline_file)
+                    log_metrics(record, metrics_file)
+                tokens_since_log = 0
+                reset_peak_memory(device)
+
+            if step % args.ckpt_freq == 0 or done:
+                save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank)
+            if done:
+                break
+        if not done:
+            # NOTE: the data loader ran out: the epoch is over.
+            train_state["epoch"] += 1
+            train_state["samples_seen_in_epoch"] = 0
+
+    progress_bar.close()
+    if rank == 0:
+        metrics_file.close()
+        pipeline_file.close()
+        wandb.finish()
+    LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Arguments and logging
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(
+        description="Train a Llama-style causal language model on one GPU, or on the CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
+                        help="Hugging Face hub name or local folder with config.json and the tokenizer")
+    parser.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
+                        help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, .parquet)")
+    parser.add_argument("--dataset-subset", default=None, help="the data set's configuration name, if it has several")
+    parser.add_argument("--text-column", default="text", help="the data set's column that holds the text")
+    parser.add_argument("-e", "--experiment-name", default="quickstart",
+                        help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
+    parser.add_argument("--save-dir", default="outputs", help="parent folder of all experiment folders")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the sample order")
+    parser.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="sequences per micro-step and data-parallel rank, cut into --pp-microbatches")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=20, help="steps of linear warm-up before cosine decay")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline-parallel degree: the ranks of each pipeline; the world size / pp pipelines "
+                             "train as FSDP data parallel")
+    parser.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b",
+                        help="the order in which each stage runs the micro-batches' forwards and backwards")
+    parser.add_argument("--pp-microbatches", type=int, default=None,
+                        help="micro-batches each --batch-size is cut into (default: --batch-size, micro-batches "
+                             "of one sequence)")
+    parser.add_argument("--pp-stages-per-rank", type=int, default=None,
+                        help="stages of the model on each rank (default: 1; 2 for interleaved-1f1b)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
+    parser.add_argument("--max-steps", type=int, default=200,
+                        help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
+                             "one would)")
+    parser.add_argument("--num-epochs", type=int, default=None,
+                        help="train for this many passes over the data set instead of --max-steps")
+    parser.add_argument("--exit-after-steps", type=int, default=None,
+                        help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time limit")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="compute dtype; auto is bfloat16 on CUDA and float32 on CPU")
+    parser.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
+    parser.add_argument("--num-workers", type=int, default=1, help="data loader worker processes")
+    parser.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
+    parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
+                        help="default: online if you are logged in to wandb, offline otherwise")
+    parser.add_argument("--wandb-project", default="distributed-training-guide")
+    parser.add_argument("--dist-timeout", type=int, default=600,
+                        help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
+                             "the process group's timeout, the same for every backend")
+    parser.add_argument("--rdzv-timeout", type=int, default=300,
+                        help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
+                             "by srun or mpirun, before giving up")
+    return parser
+
+
+def parse_args():
+    args = get_parser().parse_args()
+    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
+                 "ckpt_freq", "dist_timeout"]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.warmup_steps < 0 or args.num_workers < 0:
+        fail("--warmup-steps and --num-workers cannot be negative")
+    return args
+
+
+def fail(message):
+    """Stop with a one-line error on stderr and exit status 1: for mistakes in the input, not bugs."""
+    raise SystemExit(f"error: {message}")
+
+
+def get_distributed_environment(rdzv_timeout):
+    """Who started this process, and its rank, local rank and world size.
+
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every
+    process directly and set variables of their own, which are translated here; their job scripts export
+    MASTER_ADDR and MASTER_PORT. A plain `python train_llm.py` is a world of one process.
+    init_process_group() then reads the standard variables, whoever set them.
+    """
+    environment = os.environ
+    if "RANK" in environment and "WORLD_SIZE" in environment:
+        launcher = "torchrun"
+    elif "SLURM_PROCID" in environment:
+        launcher = "srun"
+        environment["RANK"] = environment["SLURM_PROCID"]
+        environment["LOCAL_RANK"] = environment["SLURM_LOCALID"]
+        environment["WORLD_SIZE"] = environment["SLURM_NTASKS"]
+    elif "OMPI_COMM_WORLD_RANK" in environment:
+        launcher = "mpirun"
+        environment["RANK"] = environment["OMPI_COMM_WORLD_RANK"]
+        environment["LOCAL_RANK"] = environment["OMPI_COMM_WORLD_LOCAL_RANK"]
+        environment["WORLD_SIZE"] = environment["OMPI_COMM_WORLD_SIZE"]
+    else:
+        launcher = "python (a single process)"
+        environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        environment.setdefault("MASTER_PORT", str(find_free_port()))
+    if "MASTER_ADDR" not in environment or "MASTER_PORT" not in environment:
+        fail(f"started by {launcher} without MASTER_ADDR and MASTER_PORT; export them in the job script, set to the "
+             "first node of the job and a free port (see job-srun.sbatch and mpirun.sh)")
+    rank = int(environment["RANK"])
+    if launcher in ("srun", "mpirun") and rank != 0:
+        wait_for_rendezvous(environment["MASTER_ADDR"], int(environment["MASTER_PORT"]), rdzv_timeout, rank)
+    return launcher, rank, int(environment["LOCAL_RANK"]), int(environment["WORLD_SIZE"])
+
+
+def wait_for_rendezvous(host, port, timeout, rank):
+    """Wait until rank 0's rendezvous server accepts connections, or fail with the address that did not answer.
+
+    NOTE: without this, a wrong MASTER_ADDR or a closed firewall port leaves every rank retrying silently until the
+    process group's timeout (--dist-timeout, 10 minutes by default).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                fail(f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous endpoint {host}:{port} "
+                     f"after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT and the firewall, and that rank 0 "
+                     "started")
+            time.sleep(1)
+
+
+def find_free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup_logging(rank):
+    logging.basicConfig(
+        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+        level=logging.INFO,
+        stream=sys.stdout,
+    )
+
+
+def get_device(local_rank):
+    """This process's GPU, or the CPU.
+
+    NOTE: a launcher that binds one GPU to each process (Slurm's --gpus-per-task=1, a site's GPU binding) leaves
+    every process seeing a single GPU, cuda:0, whatever its local rank: cuda:LOCAL_RANK would be an invalid device.
+    The local rank picks the GPU only where the process sees several.
+    """
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    num_gpus = torch.cuda.device_count()
+    if num_gpus > 1 and local_rank >= num_gpus:
+        fail(f"local rank {local_rank} but this process sees only {num_gpus} GPUs (CUDA_VISIBLE_DEVICES="
+             f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per GPU on each node")
+    return torch.device("cuda", local_rank if num_gpus > 1 else 0)
+
+
+def get_compute_dtype(name, device):
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def rank_zero_first():
+    """Run the block on rank 0 first, then on the others.
+
+    NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
+    everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
+    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
+    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
+    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
+    """
+    waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    if dist.get_rank() != 0:
+        dist.barrier(group=waiting_group)
+    yield
+    if dist.get_rank() == 0:
+        dist.barrier(group=waiting_group)
+    dist.destroy_process_group(waiting_group)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. The model
+
+
+def load_model_config(model_name):
+    try:
+        return AutoConfig.from_pretrained(model_name)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load a model config from {model_name!r} ({first_line}); "
+             "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
+
+
+def check_sequence_length(seq_length, config):
+    if seq_length > config.max_position_embeddings:
+        fail(f"--seq-length {seq_length} is longer than the model's maximum of {config.max_position_embeddings} "
+             "positions (max_position_embeddings); use a smaller --seq-length")
+
+
+def check_attention_implementation(attn_implementation, device):
+    if attn_implementation != "flash_attention_2":
+        return
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
+             "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
+
+
+def get_attention_kwargs(attn_implementation, input_ids):
+    """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
+
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
+    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
+    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
+    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
+    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    """
+    if attn_implementation != "flash_attention_2":
+        return {}
+    batch_size, seq_length = input_ids.shape
+    boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
+    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
+            "max_length_k": seq_length}
+
+
+# --pp-schedule: torch.distributed.pipelining's schedule of each name (get_schedule_class() knows them by these).
+PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+
+
+def check_pipeline_layout(args, world_size, config):
+    """The stages per rank and the micro-batches per micro-step, or a one-line error if they cannot be made."""
+    if args.pp < 1 or world_size % args.pp != 0:
+        fail(f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}, usually "
+             "the number of nodes (each pipeline stage on the GPUs of one node)")
+    one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
+    stages_per_rank = args.pp_stages_per_rank or (1 if one_stage_per_rank else 2)
+    if one_stage_per_rank and stages_per_rank != 1:
+        fail(f"--pp-schedule {args.pp_schedule} runs one stage per rank, not --pp-stages-per-rank {stages_per_rank}; "
+             "use --pp-schedule interleaved-1f1b for several")
+    if not one_stage_per_rank and stages_per_rank < 2:
+        fail(f"--pp-schedule {args.pp_schedule} interleaves several stages on each rank, not "
+             f"--pp-stages-per-rank {stages_per_rank}; use 2 or more, or --pp-schedule 1f1b")
+    num_stages = args.pp * stages_per_rank
+    if num_stages > config.num_hidden_layers:
+        fail(f"{num_stages} pipeline stages (--pp {args.pp} x {stages_per_rank} per rank) for a model of "
+             f"{config.num_hidden_layers} decoder layers: every stage needs at least one; use fewer stages")
+    if num_stages > 1 and config.tie_word_embeddings:
+        fail("the model ties its output head to its input embeddings (tie_word_embeddings), and the first and last "
+             "pipeline stages cannot share one weight; use --pp 1 with --pp-schedule 1f1b or gpipe, or an untied model")
+    num_microbatches = args.pp_microbatches or args.batch_size
+    if num_microbatches < 1 or args.batch_size % num_microbatches != 0:
+        fail(f"--pp-microbatches {num_microbatches} does not divide --batch-size {args.batch_size}; use a divisor of "
+             f"{args.batch_size} (or a --batch-size that it divides)")
+    # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward: there must be enough.
+    if args.pp_schedule == "1f1b" and num_microbatches < num_stages:
+        fail(f"--pp-schedule 1f1b needs at least one micro-batch per stage, {num_stages}, not --pp-microbatches "
+             f"{num_microbatches}; use more micro-batches (and a --batch-size they divide), or --pp-schedule gpipe")
+    # NOTE: the interleaved schedule runs the micro-batches in rounds of up to --pp of them, all rounds equal.
+    rounds = max(1, num_microbatches // args.pp)
+    if not one_stage_per_rank and num_microbatches % rounds != 0:
+        fail(f"--pp-schedule {args.pp_schedule} runs the micro-batches in {rounds} equal rounds, which "
+             f"--pp-microbatches {num_microbatches} cannot make; use a multiple of --pp {args.pp}, or fewer than it")
+    return stages_per_rank, num_microbatches
+
+
+def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
+    """Cut the model into pp_degree x stages_per_rank stages of consecutive decoder layers; keep this rank's only.
+
+    The first stage also runs the embeddings, the last the final norm and the output head. Stage s runs on pp rank
+    s % pp_degree: with several stages per rank, rank r runs stages r, r + pp_degree, ... (the order the interleaved
+    schedule expects). The model is left holding only what this rank's stages run, under the whole model's names:
+    the layers stay in a ModuleDict keyed by their index in the whole model (model.layers.5.mlp.up_proj.weight on
+    whichever stage holds layer 5), and the modules of other ranks' stages are set to None, as torchtitan does.
+    Those names are what init_weights() seeds by and what the checkpoints are keyed by.
+    """
+    num_stages = pp_degree * stages_per_rank
+    num_layers = model.config.num_hidden_layers
+    # NOTE: the first num_layers % num_stages stages get one layer more than the others.
+    first_layers = [stage * (num_layers // num_stages) + min(stage, num_layers % num_stages)
+                    for stage in range(num_stages + 1)]
+    stage_indices = [pp_rank + pp_degree * local_index for local_index in range(stages_per_rank)]
+    model.model.layers = torch.nn.ModuleDict({
+        str(index): model.model.layers[index]
+        for stage in stage_indices for index in range(first_layers[stage], first_layers[stage + 1])
+    })
+    if 0 not in stage_indices:
+        model.model.embed_tokens = None
+    if num_stages - 1 not in stage_indices:
+        model.model.norm = None
+        model.lm_head = None
+    return [DecoderStage(model, stage, num_stages, range(first_layers[stage], first_layers[stage + 1]))
+            for stage in stage_indices]
+
+
+class DecoderStage(torch.nn.Module):
+    """One pipeline stage of a Llama-family model: the embeddings (first stage only), a run of decoder layers, then
+    the final norm and the output head (last stage only).
+
+    Its forward takes what the previous stage sends, or the token ids on the first stage, and returns what the next
+    stage receives: the hidden states, or on the last stage the logits. The modules are the model's own (no copies),
+    so the model's parameter names still reach them.
+    """
+
+    def __init__(self, model, stage_index, num_stages, layer_indices):
+        super().__init__()
+        self.config = model.config
+        self.stage_index = stage_index
+        is_last = stage_index == num_stages - 1
+        self.embed_tokens = model.model.embed_tokens if stage_index == 0 else None
+        self.layers = torch.nn.ModuleDict({str(index): model.model.layers[str(index)] for index in layer_indices})
+        self.rotary_emb = model.model.rotary_emb
+        self.norm = model.model.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+
+    def forward(self, tokens_or_hidden_states):
+        hidden_states = tokens_or_hidden_states
+        if self.embed_tokens is not None:
+            hidden_states = self.embed_tokens(tokens_or_hidden_states)
+        # NOTE: each stage computes the positions, the causal mask and the rotary embeddings itself, as Hugging
+        # Face's LlamaModel.forward() does once for all layers: they depend on the sequence length only, so sending
+        # them along would only add traffic. With sdpa the mask is None: the kernel applies causality itself.
+        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        causal_mask = create_causal_mask(config=self.config, inputs_embeds=hidden_states, attention_mask=None,
+                                         cache=None, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        # NOTE: get_attention_kwargs() reads only the (micro-batch, sequence) shape of what it is given. And no KV
+        # cache (use_cache=False), as in every chapter's training forward.
+        attention_kwargs = get_attention_kwargs(self.config._attn_implementation, hidden_states[:, :, 0])
+        for layer in self.layers.values():
+            hidden_states = layer(hidden_states, attention_mask=causal_mask, position_ids=position_ids,
+                                  position_embeddings=position_embeddings, use_cache=False, **attention_kwargs)
+        if self.lm_head is None:
+            return hidden_states
+        return self.lm_head(self.norm(hidden_states))
+
+
+def shard_model(stage, dp_mesh, dtype, pp_degree):
+    """Shard every decoder layer of a stage, then the rest (embeddings, final norm, output head) as one last group.
+
+    NOTE: each fully_shard() call makes one group whose parameters are all-gathered, and whose gradients are
+    reduce-scattered, in one collective. One group per decoder layer means only one or two layers are ever whole
+    in memory, and FSDP prefetches the next layer's all-gather while the current one computes. Each stage is
+    sharded on its own, across the dp ranks that run it: its row of the mesh.
+    """
+    # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
+    # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    layers = list(stage.layers.values())
+    for index, layer in enumerate(layers):
+        # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
+        # again for its backward: memory of one layer instead of all, for one more all-gather. The last layer
+        # is the first to run backward, right after forward, so freeing it would only gather it again at once.
+        # In a pipeline each layer runs a forward for every micro-batch, and its backwards come later: resharding
+        # would all-gather it again for every micro-batch, twice. With pp > 1 the stage's layers stay gathered
+        # through the step (torchtitan's default too): the stage is 1/pp of the model, and that is the memory.
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy,
+                    reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
+    # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
+    fully_shard(stage, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    """Initialize every parameter from a generator seeded with the seed and the parameter's name.
+
+    NOTE: each parameter's values depend only on (seed, name, device type), not on the order in which parameters
+    are created or on how the model is split. That is what lets every later chapter, however it splits the model
+    across GPUs, start from exactly the same weights as this one, and so reproduce this chapter's loss curve.
+    (CPU and CUDA generators draw different numbers: compare GPU runs with GPU runs.)
+    """
+    std = model.config.initializer_range
+    for name, param in model.named_parameters():
+        generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        if name.endswith("norm.weight"):
+            full_value = torch.ones(param.shape, device=param.device)
+        else:
+            full_value = torch.empty(param.shape, device=param.device).normal_(mean=0.0, std=std, generator=generator)
+        # NOTE: param is this rank's shard (a DTensor). distribute_tensor() cuts the same slice out of the full
+        # value, so the sharded model holds exactly the weights the unsharded one of chapter 01 holds.
+        # Every rank drew the same full value, so src_data_rank=None cuts it locally instead of sending it.
+        param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
+
+
+@torch.no_grad()
+def reset_rotary_embeddings(model, device):
+    """Recompute the rotary embeddings' inverse frequencies, which to_empty() left as uninitialized memory.
+
+    NOTE: inv_freq is a non-persistent buffer: not a parameter, so init_weights() skips it, and not in the state
+    dict, so loading a checkpoint does not restore it either. Forgetting this trains with garbage positions.
+    """
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            fresh_module = type(module)(module.config)
+            for name, buffer in fresh_module.named_buffers():
+                module.register_buffer(name, buffer.to(device), persistent=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. The data
+
+
+def load_tokenizer(model_name):
+    try:
+        return AutoTokenizer.from_pretrained(model_name)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load a tokenizer from {model_name!r} ({first_line}); the model folder must hold tokenizer files")
+
+
+def load_and_tokenize_dataset(args, tokenizer):
+    """Tokenize every document, join them with an end-of-text token, and cut the stream into seq_length chunks.
+
+    The result is saved on disk, keyed by everything it depends on, so the next run loads it in a second.
+    """
+    key = json.dumps([args.dataset_name, args.dataset_subset, args.text_column, tokenizer.name_or_path,
+                      len(tokenizer), args.seq_length])
+    cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "train_llm" / f"{zlib.crc32(key.encode()):08x}"
+    if not cache_dir.exists():
+        LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
+        raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
+        if args.text_column not in raw_dataset.column_names:
+            fail(f"the data set has no column {args.text_column!r} (it has {raw_dataset.column_names}); "
+                 "pass --text-column with the column that holds the text")
+        tokenized = raw_dataset.map(
+            lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
+            batched=True,
+            remove_columns=raw_dataset.column_names,
+            desc="tokenizing",
+        )
+        chunked = tokenized.map(
+            lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
+            batched=True,
+            batch_size=10_000,
+            desc="chunking",
+        )
+        if len(chunked) == 0:
+            fail(f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more data or a "
+                 "smaller --seq-length")
+        # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
+        temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
+        chunked.save_to_disk(temporary_dir)
+        try:
+            os.replace(temporary_dir, cache_dir)
+        except OSError:
+            # NOTE: another process finished the same cache first (e.g. on another node sharing this folder).
+            shutil.rmtree(temporary_dir)
+    return datasets.load_from_disk(cache_dir).with_format("torch")
+
+
+def load_raw_dataset(dataset_name, dataset_subset):
+    path = Path(dataset_name)
+    try:
+        if path.is_file():
+            builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
+            return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return datasets.load_dataset(dataset_name, dataset_subset, split="train")
+    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load the data set {dataset_name!r} ({first_line}); pass -d a local folder or file, "
+             "or a Hugging Face hub name like tatsu-lab/alpaca")
+
+
+def cut_into_chunks(token_lists, seq_length):
+    stream = [token for tokens in token_lists for token in tokens]
+    return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
+
+
+def check_dataset_size(num_sequences, samples_per_step, args):
+    if num_sequences < samples_per_step:
+        fail(f"the data set has {num_sequences} sequences of {args.seq_length} tokens, fewer than the "
+             f"{samples_per_step} one optimizer step needs; use more data or a smaller --batch-size, --grad-accum "
+             "or --seq-length")
+
+
+def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
+    """This rank's batches of one epoch in a seeded random order, starting after the samples already trained on.
+
+    NOTE: the epoch's order is the permutation chapter 01 drew from (seed, epoch). It is cut after the samples the
+    whole job has seen so far, and only then dealt out round-robin by DistributedSampler (rank r gets samples r,
+    r + world_size, ...). Cutting before dealing is what lets a checkpoint written by 2 ranks resume on 3: the
+    data position is a count of global samples, whatever the world size that saw them.
+    """
+    generator = torch.Generator().manual_seed(args.seed + epoch)
+    sample_order = torch.randperm(len(dataset), generator=generator).tolist()
+    remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
+    sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
+    samples_per_step = args.batch_size * args.grad_accum
+    num_steps = len(sampler) // samples_per_step
+    return DataLoader(
+        Subset(remaining, list(sampler)[:num_steps * samples_per_step]),
+        batch_size=args.batch_size,
+        collate_fn=stack_input_ids,
+        num_workers=args.num_workers,
+        pin_memory=device.type == "cuda",
+    )
+
+
+def stack_input_ids(samples):
+    return torch.stack([sample["input_ids"] for sample in samples])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. The optimizer and the learning rate schedule
+
+
+def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
+    """Linear warm-up from 0 to 1, then cosine decay to min_factor at max_steps (factors of the peak --lr)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. Checkpoints
+
+
+def find_latest_checkpoint(experiment_dir):
+    # NOTE: a checkpoint folder gets its final name only once it is complete, so any "checkpoint-*" is whole.
+    checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def find_latest_checkpoint_on_rank_zero(experiment_dir):
+    """The latest checkpoint as rank 0 finds it, on every rank.
+
+    NOTE: on a shared file system (NFS, Lustre) a node's directory listing can be tens of seconds old, and a
+    restarted job lists the folder seconds after the last save: ranks that each looked for themselves could resume
+    from different checkpoints, or from one just deleted. One rank looks, and every rank takes its answer.
+    """
+    choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):
+    """Save everything needed to continue exactly: weights, optimizer moments, schedule, RNG, data position.
+
+    NOTE: the files are written into a temporary folder that is renamed once complete. A crash during the save
+    leaves the previous checkpoint untouched; older checkpoints are deleted only after the new one exists.
+    No rank holds the whole model, so every rank writes its own shards, in parallel, with
+    torch.distributed.checkpoint (DCP); rank 0 adds the small files and renames the folder once all are done.
+    """
+    started = time.perf_counter()
+    temporary_dir = experiment_dir / f"tmp-checkpoint-{train_state['step']:08d}"
+    if rank == 0:
+        shutil.rmtree(temporary_dir, ignore_errors=True)
+    dist.barrier()
+    # NOTE: get_state_dict() names the shards by their parameter names (model.layers.0.mlp.up_proj.weight, ...),
+    # as in chapter 01, and the optimizer state by the same names instead of by position.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # NOTE: the optimizer's param group lists the names of this rank's parameters, and DCP saves one copy of what
+    # is not a tensor. So every rank lists the names of all stages' parameters: the checkpoint then loads at any
+    # --pp, and in chapter 04, each rank taking its own parameters' state out of the list.
+    names_per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(names_per_rank, optimizer_state["param_groups"][0]["params"])
+    optimizer_state["param_groups"][0]["params"] = sorted(set().union(*names_per_rank))
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir)
+    if rank == 0:
+        write_checkpoint(experiment_dir, lr_scheduler, train_state, config)
+    dist.barrier()
+    LOGGER.info(f"checkpoint of step {train_state['step']} took {time.perf_counter() - started:.2f}s")
+
+
+def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
+    final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
+    temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
+    torch.save(
+        {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
+        temporary_dir / "train_state.pt",
+    )
+    (temporary_dir / "model_config.json").write_text(config.to_json_string())
+    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
+    # which saves that tokenizer next to the weights.
+    model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
+    (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(temporary_dir, final_dir)
+    for old_dir in experiment_dir.glob("checkpoint-*"):
+        if old_dir != final_dir:
+            shutil.rmtree(old_dir)
+    LOGGER.info(f"saved {final_dir}")
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
+    check_checkpoint_matches_model(checkpoint_dir, config)
+    # NOTE: dcp.load() fills the given state dicts in place, each rank reading just the slices of its own shards,
+    # whatever the world size that saved them: resuming on more or fewer GPUs reshards on the fly.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
+    # map_location="cpu" whatever device wrote the file: it holds the RNG states, which must be CPU tensors.
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
+    lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
+    set_rng_state(train_state.pop("rng"))
+    return train_state
+
+
+def check_checkpoint_matches_model(checkpoint_dir, config):
+    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
+    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads"]
+    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
+                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
+    if different:
+        fail(f"the checkpoint {checkpoint_dir} was saved from a different model ({', '.join(different)}); "
+             "use another --experiment-name or --save-dir, or the model it was trained with")
+
+
+# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
+# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
+def get_rng_state():
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(rng_state):
+    torch.set_rng_state(rng_state["cpu"])
+    if torch.is_tensor(rng_state["cuda"]) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng_state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 5. Experiment tracking
+
+
+def get_wandb_mode(requested_mode):
+    """Online if you are logged in to wandb, offline otherwise: never stop and ask for an API key."""
+    if requested_mode is not None:
+        return requested_mode
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+
+
+def get_wandb_run_id(experiment_dir):
+    """One wandb run per experiment: a resumed run keeps appending to the same run."""
+    id_file = experiment_dir / "wandb_run_id.txt"
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    return id_file.read_text().strip()
+
+
+def get_flops_per_token(model, config, seq_length):
+    """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus attention's score and value matmuls.
+
+    The formula is the one of the PaLM paper (appendix B) and torchtitan: 6 * N + 12 * L * H * Q * T, with N the
+    parameters that do matmuls, L layers, H heads, Q the head dimension and T the sequence length.
+    """
+    num_params = sum(p.numel() for p in model.parameters())
+    # NOTE: the input embedding is a table lookup, not a matmul: its weights do no FLOPs. Unless they are tied to
+    # the output head (Llama 3.2 1B and 3B), in which case they are counted once, for the head's matmul.
+    if not config.tie_word_embeddings:
+        num_params -= model.get_input_embeddings().weight.numel()
+    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
+    # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
+
+
+# Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "B200": 2250e12,
+}
+
+
+def get_peak_flops(device, dtype):
+    """Peak FLOP/s for the MFU denominator, or None where we do not know it (the CPU, an unlisted GPU, fp32)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    device_name = torch.cuda.get_device_name(device)
+    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40", "H100 NVL" contains "H100".
+    for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if gpu in device_name:
+            return PEAK_BF16_FLOPS[gpu]
+    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
+    return None
+
+
+def get_memory_stats(device):
+    if device.type == "cuda":
+        return {
+            "memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+            "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
+        }
+    # NOTE: on Linux ru_maxrss is in kilobytes (on macOS in bytes): the peak resident memory of this process.
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"memory_rss_gb": max_rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
+
+
+def log_memory_held(model, optimizer):
+    """Log the bytes of parameters, gradients and optimizer state this rank holds: its shards only."""
+    def local_bytes(tensor):
+        local_tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local_tensor.numel() * local_tensor.element_size()
+
+    parameters = sum(local_bytes(p) for p in model.parameters())
+    gradients = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    optimizer_state = sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
+                          if torch.is_tensor(value) and value.dim() > 0)
+    LOGGER.info(f"memory held by this rank: parameters {parameters / 1e6:.2f} MB, gradients {gradients / 1e6:.2f} MB, "
+                f"optimizer state {optimizer_state / 1e6:.2f} MB")
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def log_metrics(record, metrics_file):
+    mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
+    memory = " ".join(f"{key.removesuffix('_gb')} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
+    times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
+    LOGGER.info(
+        f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}"
+        f" | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory} | ms: {times}"
+    )
+    wandb.log(record, step=record["step"])
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+
+
+class StepTimer:
+    """Time the phases of a training step (data, forward, backward, update) without stalling the GPU.
+
+    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a forward pass on a GPU measures only how long
+    the CPU took to queue its kernels. CUDA events are recorded into the GPU's stream instead and read once, on
+    logging steps, after a single synchronization. On the CPU, work is synchronous and the wall clock is right.
+    """
+
+    def __init__(self, device):
+        self.use_cuda_events = device.type == "cuda"
+        self.spans = []
+
+    def reset(self):
+        self.spans = []
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        if self.use_cuda_events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self.spans.append((name, start, end))
+
+    def read_ms(self):
+        """Milliseconds per phase, summed over micro-batches. Waits for the GPU: call it on logging steps only."""
+        if self.use_cuda_events:
+            torch.cuda.synchronize()
+        totals = {}
+        for name, start, end in self.spans:
+            milliseconds = start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
+            totals[name] = totals.get(name, 0.0) + milliseconds
+        return totals
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 6. The training loop: the pipeline
+
+
+def get_loss_function(model, config, loss_scale):
+    """The loss the last stage computes from each micro-batch's logits: Hugging Face's, divided by loss_scale."""
+    def loss_function(logits, labels):
+        return model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size) / loss_scale
+    return loss_function
+
+
+def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device, recorder):
+    """Wrap this rank's stages in PipelineStages and give them to the schedule; also say whether this rank runs the
+    first stage (it takes the tokens) and the last (it takes the labels and has the loss)."""
+    num_stages = pp_mesh.size() * len(stage_modules)
+    # NOTE: a PipelineStage sends its outputs to the next stage's rank and receives the gradients back, over the pp
+    # group: the ranks of one column of the mesh. It learns the shapes to expect from a first micro-batch.
+    stages = [RecordedPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group(),
+                                    recorder=recorder) for module in stage_modules]
+    schedule_class = get_schedule_class(PIPELINE_SCHEDULES[schedule_name])
+    one_stage_per_rank = issubclass(schedule_class, PipelineScheduleSingle)
+    schedule = schedule_class(stages[0] if one_stage_per_rank else stages, n_microbatches=num_microbatches,
+                              loss_fn=loss_fn, scale_grads=False)
+    return schedule, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+
+
+class RecordedPipelineStage(PipelineStage):
+    """A PipelineStage whose every micro-batch forward and backward is timed and recorded by a PipelineRecorder."""
+
+    def __init__(self, *args, recorder, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.recorder = recorder
+
+    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
+        with self.recorder.computation("forward", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+        with self.recorder.computation("backward", self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+
+class PipelineRecorder:
+    """What this rank's stages compute in a step: when each micro-batch's forward, loss and backward ran, and the
+    activations each micro-batch keeps from its forward to its backward.
+
+    NOTE: the time a rank spends in the schedule outside these computations, it waits: for the previous stage's
+    activations, the next stage's gradients, or the transfers. That is the pipeline's bubble, measured. The
+    activations are the tensors autograd saves in a forward for the backward (saved-tensor hooks, as chapter 05
+    counts them), each storage once and the weights left out. A micro-batch holds them from its forward until its
+    backward is done, so how many a stage holds at once depends on the schedule: GPipe runs all forwards first.
+    """
+
+    def __init__(self, timer):
+        self.timer = timer
+        self.reset()
+
+    def reset(self):
+        self.events = []
+        self.saved_bytes = {}
+        self.held_bytes = self.peak_bytes = self.peak_microbatches = 0
+
+    @contextlib.contextmanager
+    def computation(self, kind, stage_index, microbatch):
+        storages = {}
+
+        def count_saved_tensor(tensor):
+            base = tensor if tensor._base is None else tensor._base
+            if not isinstance(base, torch.nn.Parameter):
+                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+
+        with self.timer("backward" if kind == "backward" else "forward"):
+            with torch.autograd.graph.saved_tensors_hooks(count_saved_tensor, lambda tensor: tensor):
+                yield
+        _, start, end = self.timer.spans[-1]
+        self.events.append((kind, stage_index, microbatch, start, end))
+        key = (stage_index, microbatch)
+        if kind == "backward":
+            self.held_bytes -= self.saved_bytes.pop(key, 0)
+        else:
+            self.saved_bytes[key] = self.saved_bytes.get(key, 0) + sum(storages.values())
+            self.held_bytes += sum(storages.values())
+            if self.held_bytes > self.peak_bytes:
+                self.peak_bytes = self.held_bytes
+                self.peak_microbatches = len({microbatch for _, microbatch in self.saved_bytes})
+
+    def timed_loss(self, loss_function):
+        """The loss function, recorded as part of the last stage's forward of each micro-batch.
+
+        NOTE: the schedule calls it right after the last stage's forward of each micro-batch. The stage calls it
+        once more on its own, before the first step: a trial forward and backward to learn the shapes it will send.
+        """
+        def recorded_loss_function(logits, labels):
+            if not self.events or self.events[-1][0] != "forward":
+                return loss_function(logits, labels)
+            stage_index, microbatch = self.events[-1][1:3]
+            with self.computation("loss", stage_index, microbatch):
+                return loss_function(logits, labels)
+        return recorded_loss_function
+
+
+@torch.no_grad()
+def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
+    """Clip the gradients by the norm of the whole model's gradient, over all stages; return that norm.
+
+    NOTE: torch.nn.utils.clip_grad_norm_() sees the parameters it is given, this rank's stages only: each stage
+    would clip by the norm of its own layers, a different factor per stage, and train a model with different
+    gradients than chapter 01's, without any error. The squared norms of the stages add up to the squared norm of
+    the whole model (torchtitan's clip_grad_norm_ does the same).
+    """
+    parameters = list(parameters)
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    # NOTE: the gradients are FSDP shards (DTensors), and so is their norm: full_tensor() combines the shards'.
+    squared_norm = grad_norm.full_tensor() ** 2
+    dist.all_reduce(squared_norm, op=dist.ReduceOp.SUM, group=pp_group)
+    grad_norm = squared_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, grad_norm)
+    return grad_norm
+
+
+def gather_pipeline_stats(recorder, timer, rank, pp_rank, dp_rank):
+    """Every rank's pipeline figures of this step, on rank 0 (None elsewhere). Call after timer.read_ms(), which
+    waits for the GPU, on logging steps only: it communicates.
+
+    The times are in milliseconds from the start of this rank's first pipeline schedule of the step.
+    """
+    pipeline_spans = [(start, end) for name, start, end in timer.spans if name == "pipeline"]
+    reference = pipeline_spans[0][0]
+
+    def milliseconds(mark):
+        return reference.elapsed_time(mark) if timer.use_cuda_events else (mark - reference) * 1000
+
+    events = [(kind, stage, microbatch, milliseconds(start), milliseconds(end))
+              for kind, stage, microbatch, start, end in recorder.events]
+    stats = {
+        "rank": rank,
+        "pp_rank": pp_rank,
+        "dp_rank": dp_rank,
+        "stages": sorted({stage for _, stage, *_ in events}),
+        "pipeline_ms": sum(milliseconds(end) - milliseconds(start) for start, end in pipeline_spans),
+        "busy_ms": sum(end - start for *_, start, end in events),
+        "peak_activations_mb": recorder.peak_bytes / 1e6,
+        "peak_microbatches": recorder.peak_microbatches,
+        "events": events,
+    }
+    all_stats = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(stats, all_stats, dst=0)
+    return all_stats
+
+
+def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
+    """Log each stage's idle share of the step and its peak activations, write the step's timeline of every rank to
+    pipeline.jsonl, and return the idle share averaged over the ranks of the first pipeline.
+
+    NOTE: a stage's own time in the schedule is not the pipeline's: the last stage leaves as soon as its last
+    backward is done, and waits for the first stage's last backward in the next collective (the gradient norm's).
+    The pipeline's step lasts as long as its longest rank's schedule, the first stage's; each stage is idle for
+    that time minus its own computations.
+    """
+    first_pipeline = [stats for stats in all_stats if stats["dp_rank"] == 0]
+    pipeline_ms = max(stats["pipeline_ms"] for stats in first_pipeline)
+    idle_fractions = [1 - stats["busy_ms"] / pipeline_ms for stats in first_pipeline]
+    LOGGER.info(f"pipeline {args.pp_schedule}, {num_microbatches} micro-batches, {pipeline_ms:.0f} ms: " + "; ".join(
+        f"stages {stats['stages']} busy {stats['busy_ms']:.0f} ms, idle {pipeline_ms - stats['busy_ms']:.0f} ms "
+        f"({idle:.0%}), peak activations {stats['peak_activations_mb']:.1f} MB (micro-batches in flight: "
+        f"{stats['peak_microbatches']})" for stats, idle in zip(first_pipeline, idle_fractions)))
+    pipeline_file.write(json.dumps({"step": step, "schedule": args.pp_schedule, "pp": args.pp,
+                                    "microbatches": num_microbatches, "ranks": all_stats}) + "\n")
+    pipeline_file.flush()
+    return sum(idle_fractions) / len(idle_fractions)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,343 @@
+"""Chapter 08: pipeline parallelism on CPU processes (gloo) trains exactly as chapter 01 does with the same global
+batch, for each schedule and with FSDP inside the stages, with gradient clipping that binds; each schedule runs the
+micro-batches in its own order and holds the activations it should; resume is exact, a checkpoint resumes at another
+--pp and in chapter 04; a layout that cannot be made gets a one-line error.
+
+`pytest -s` prints the figures: the largest loss, gradient-norm and weight differences from chapter 01, the
+activations each stage held, and the differences after a resume.
+Every run trains 6 steps of 4 sequences of 64 tokens.
+"""
+
+import json
+import shlex
+import shutil
+import sys
+
+import pytest
+
+from helpers import (CHAPTERS, REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script,
+                     max_difference, read_losses, read_metrics, run, train)
+
+README = REPO / CHAPTERS["08"] / "README.md"
+STEPS, HALF = 6, 3
+# NOTE: the gradient norm of these first steps is 2 to 6: clipping at 0.5 scales every step's gradients, so a norm
+# computed over one stage only would change the training (and the logged norm) at once.
+MAX_GRAD_NORM = 0.5
+COMMON = ["--max-steps", str(STEPS), "--wandb-mode", "disabled", "--max-grad-norm", str(MAX_GRAD_NORM)]
+GLOBAL_BATCH = 4
+SEQ_LENGTH = 64  # FAST_ARGS' --seq-length
+FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
+
+# Each layout: (processes, flags). Every one trains chapter 01's global batch of 4 sequences a step:
+# --batch-size x --grad-accum x dp = 4.
+LAYOUTS = {
+    "pp2-gpipe": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--pp-microbatches", "4", "--batch-size", "4"]),
+    "pp2-1f1b": (2, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "4", "--batch-size", "4"]),
+    # 4 stages of one layer, 2 on each rank; 2 micro-steps of 2 sequences each, as 2 micro-batches.
+    "pp2-interleaved-1f1b": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "2",
+                                 "--batch-size", "2", "--grad-accum", "2"]),
+    "pp2-dp2-1f1b": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2", "--batch-size", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Chapter 01's reference run, each layout's run and the run a resume starts from, made once each."""
+    return SharedRuns(tmp_path_factory.mktemp("chapter08"))
+
+
+def reference_run(runs, env):
+    return runs.train("01", env, *COMMON, "--batch-size", str(GLOBAL_BATCH))
+
+
+def layout_run(runs, env, case):
+    nproc, flags = LAYOUTS[case]
+    return runs.train("08", env, *COMMON, *flags, nproc=nproc)
+
+
+def interrupted_run(runs, env):
+    """pp 2 with 1F1B, stopped after step 3 of 6: the experiment holds checkpoint-00000003 and the metrics of 1-3."""
+    nproc, flags = LAYOUTS["pp2-1f1b"]
+    return runs.train("08", env, *COMMON, *flags, "--exit-after-steps", str(HALF), nproc=nproc)
+
+
+def resumed_copy(runs, env, tmp_path):
+    """A copy of the interrupted experiment, in tmp_path's outputs/resumed."""
+    _, interrupted = interrupted_run(runs, env)
+    assert [path.name for path in interrupted.glob("checkpoint-*")] == [f"checkpoint-{HALF:08d}"]
+    shutil.copytree(interrupted, tmp_path / "outputs" / "resumed")
+
+
+def largest_weight_difference(checkpoint_a, checkpoint_b, scratch_dir):
+    weights_a, weights_b = checkpoint_weights(checkpoint_a, scratch_dir), checkpoint_weights(checkpoint_b, scratch_dir)
+    assert weights_a.keys() == weights_b.keys(), sorted(weights_a.keys() ^ weights_b.keys())
+    return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
+
+
+def pipeline_records(experiment):
+    """pipeline.jsonl: per logging step, every rank's busy time, timeline and peak activations."""
+    return [json.loads(line) for line in (experiment / "pipeline.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_every_schedule_and_layout_matches_one_process_with_the_same_global_batch(env, runs, tmp_path, case):
+    _, reference = reference_run(runs, env)
+    result, experiment = layout_run(runs, env, case)
+    reference_records, records = read_metrics(reference), read_metrics(experiment)
+    assert [record["step"] for record in records] == list(range(1, STEPS + 1))
+    loss_difference = max_difference(read_losses(reference), read_losses(experiment))
+    norm_difference = max(abs(record["grad_norm"] / reference_record["grad_norm"] - 1)
+                          for record, reference_record in zip(records, reference_records))
+    weight_difference = largest_weight_difference(reference / FINAL_CHECKPOINT, experiment / FINAL_CHECKPOINT,
+                                                  tmp_path)
+    print(f"\nparity {case} vs chapter 01: largest loss difference {loss_difference:.1e}, relative gradient norm "
+          f"difference {norm_difference:.1e}, weights {weight_difference:.1e} after {STEPS} steps (clipped at "
+          f"{MAX_GRAD_NORM}; norms {min(r['grad_norm'] for r in records):.2f} to "
+          f"{max(r['grad_norm'] for r in records):.2f})")
+    pp = int(LAYOUTS[case][1][1])
+    assert f"device mesh: {{'pp': {pp}, 'dp': {LAYOUTS[case][0] // pp}}}" in result.stdout
+    # Clipping binds at every step, and the norm is the whole model's: chapter 01's. FSDP over 2 ranks alone (as in
+    # chapter 04) moves it by ~1e-5 of itself at step 1 and ~1e-4 by step 6: fp32 sums of squares of 1M-element
+    # gradients, added in another order. One stage's own norm is far off (15% and 47% below the whole model's:
+    # test_one_stage_alone_has_another_gradient_norm).
+    assert all(record["grad_norm"] > 2 * MAX_GRAD_NORM for record in records)
+    assert norm_difference <= 3e-4
+    # fp32 on the CPU: only the order of the floating-point sums differs (micro-batches, shards, stages).
+    assert loss_difference <= 1e-5
+    # AdamW divides by the root of the squared gradients, so a weight whose gradient is ~0 (a rare token's
+    # embedding row) moves by ~lr whatever the sign of its rounding noise: weights agree less closely than losses.
+    assert weight_difference <= 2e-4
+
+
+def test_one_stage_alone_has_another_gradient_norm():
+    """Why the norm must be summed over the stages: chapter 01's initial model, 4 seeded random sequences of 64
+    tokens, and the norm of the gradients of each of chapter 08's two stages (its own split) against the whole's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    chapter_01, chapter_08 = load_script("01"), load_script("08")
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    chapter_01.init_weights(model, 0)
+    input_ids = torch.randint(0, config.vocab_size, (4, SEQ_LENGTH), generator=torch.Generator().manual_seed(0))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    gradients = {name: param.grad for name, param in model.named_parameters()}
+    stage_names = []
+    for pp_rank in range(2):
+        with torch.device("meta"):
+            meta_model = AutoModelForCausalLM.from_config(config)
+        chapter_08.split_into_stages(meta_model, pp_rank, 2, 1)
+        stage_names.append([name for name, _ in meta_model.named_parameters()])
+    assert sorted(stage_names[0] + stage_names[1]) == sorted(gradients)
+
+    def norm(names):
+        return torch.linalg.vector_norm(torch.stack([gradients[name].norm() for name in names])).item()
+
+    whole, stage_norms = norm(list(gradients)), [norm(names) for names in stage_names]
+    print(f"\ngradient norm of the whole model {whole:.2f}; stage 0 alone {stage_norms[0]:.2f}, stage 1 alone "
+          f"{stage_norms[1]:.2f}; the squares add up: {(stage_norms[0] ** 2 + stage_norms[1] ** 2) ** 0.5:.2f}")
+    assert (stage_norms[0] ** 2 + stage_norms[1] ** 2) ** 0.5 == pytest.approx(whole, rel=1e-5)
+    assert all(stage_norm < 0.9 * whole for stage_norm in stage_norms)
+
+
+def microbatch_order(record, pp_rank):
+    """The (kind, stage, micro-batch) sequence a rank of the first pipeline computed, in time order; the loss is
+    part of its micro-batch's forward."""
+    stats = next(stats for stats in record["ranks"] if stats["pp_rank"] == pp_rank and stats["dp_rank"] == 0)
+    return [(kind[0].upper(), stage, microbatch) for kind, stage, microbatch, _, _ in stats["events"]
+            if kind != "loss"]
+
+
+def test_each_schedule_runs_the_micro_batches_in_its_order(env, runs):
+    gpipe, one_f_one_b = (pipeline_records(layout_run(runs, env, case)[1])[-1] for case in ["pp2-gpipe", "pp2-1f1b"])
+    forwards = [("F", None, i) for i in range(4)]
+    backwards = [("B", None, i) for i in range(4)]
+
+    def on_stage(order, stage):
+        return [(kind, stage, microbatch) for kind, _, microbatch in order]
+
+    # GPipe: every stage runs all 4 forwards, then all 4 backwards.
+    assert microbatch_order(gpipe, 0) == on_stage(forwards + backwards, 0)
+    assert microbatch_order(gpipe, 1) == on_stage(forwards + backwards, 1)
+    # 1F1B: stage 0 runs p - 0 = 2 forwards ahead, then alternates; the last stage alternates from the start.
+    assert microbatch_order(one_f_one_b, 0) == on_stage(
+        [forwards[0], forwards[1], backwards[0], forwards[2], backwards[1], forwards[3], backwards[2], backwards[3]], 0)
+    assert microbatch_order(one_f_one_b, 1) == on_stage(
+        [item for pair in zip(forwards, backwards) for item in pair], 1)
+    # Interleaved: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3; each micro-batch goes 0 -> 1 -> 2 -> 3.
+    interleaved = pipeline_records(layout_run(runs, env, "pp2-interleaved-1f1b")[1])[-1]
+    for pp_rank, stages in [(0, {0, 2}), (1, {1, 3})]:
+        order = microbatch_order(interleaved, pp_rank)
+        assert {stage for _, stage, _ in order} == stages
+        # Two micro-steps of 2 micro-batches: each (stage, micro-batch) runs forward then backward, twice.
+        assert sorted(order) == sorted([(kind, stage, mb) for kind in "FB" for stage in stages for mb in (0, 1)] * 2)
+
+
+def test_1f1b_holds_the_activations_of_fewer_micro_batches_than_gpipe(env, runs):
+    """GPipe runs all m forwards before the first backward: every stage holds m micro-batches' activations at once.
+    1F1B starts backwards as soon as it can: stage s of p holds at most p - s. Here p = 2, m = 4."""
+    lines = []
+    peaks = {}
+    for case in ["pp2-gpipe", "pp2-1f1b"]:
+        record = pipeline_records(layout_run(runs, env, case)[1])[-1]
+        for stats in record["ranks"]:
+            peaks[case, stats["pp_rank"]] = (stats["peak_microbatches"], stats["peak_activations_mb"])
+            lines.append(f"{case} stage {stats['pp_rank']}: {stats['peak_microbatches']} micro-batches, "
+                         f"{stats['peak_activations_mb']:.1f} MB")
+    print("\nactivations held at the peak (saved-tensor hooks, step 6):\n" + "\n".join(lines))
+    assert [peaks["pp2-gpipe", stage][0] for stage in (0, 1)] == [4, 4]
+    assert [peaks["pp2-1f1b", stage][0] for stage in (0, 1)] == [2, 1]
+    for stage, held in [(0, 2), (1, 1)]:
+        gpipe_mb, one_f_one_b_mb = peaks["pp2-gpipe", stage][1], peaks["pp2-1f1b", stage][1]
+        # Every micro-batch keeps the same tensors: the peaks are in proportion to the micro-batches held.
+        assert one_f_one_b_mb == pytest.approx(gpipe_mb * held / 4, rel=0.01)
+
+
+@pytest.mark.parametrize("case", ["pp2-1f1b", "pp2-dp2-1f1b"])
+def test_tokens_per_second_counts_each_token_once(env, runs, case):
+    """The stages of a pipeline train the same sequences: a step trains batch x grad-accum x seq x dp tokens, not
+    x world. tokens/s x the step's timed seconds gives the tokens the step counted, a little less (the time
+    outside the timed phases is in tokens/s's seconds too); counting the pp ranks too would give twice as many."""
+    nproc, flags = LAYOUTS[case]
+    _, experiment = layout_run(runs, env, case)
+    tokens_per_step = GLOBAL_BATCH * SEQ_LENGTH
+    fractions = [record["tokens_per_second"] * sum(value for key, value in record.items() if key.startswith("time_"))
+                 / 1000 / tokens_per_step for record in read_metrics(experiment)]
+    print(f"\n{case}: tokens/s x timed seconds / {tokens_per_step} tokens per step = "
+          + ", ".join(f"{fraction:.2f}" for fraction in fractions))
+    assert 0.5 < max(fractions) <= 1.0 + 1e-9
+
+
+RESUMES = {
+    # At the same layout: exact.
+    "pp2-1f1b": ("08", 2, LAYOUTS["pp2-1f1b"][1]),
+    # At --pp 1: one stage holding all layers, FSDP over 2 ranks, the same global batch.
+    "pp1-dp2": ("08", 2, ["--pp", "1", "--batch-size", "2"]),
+    # In chapter 04, FSDP over 2 ranks: the checkpoint holds the whole model under chapter 04's names.
+    "chapter-04-fsdp2": ("04", 2, ["--batch-size", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", RESUMES)
+def test_a_checkpoint_resumes_exactly_at_the_same_layout_at_another_pp_and_in_chapter_04(env, runs, tmp_path, case):
+    """Saved at pp 2 after step 3; resumed to step 6. The optimizer's state and parameter group carry over by
+    parameter name whichever rank holds the parameter, and the data position is a count of global samples."""
+    _, straight = layout_run(runs, env, "pp2-1f1b")
+    resumed_copy(runs, env, tmp_path)
+    chapter, nproc, flags = RESUMES[case]
+    result, resumed = train(chapter, env, tmp_path, *COMMON, *flags, nproc=nproc, experiment="resumed")
+    assert f"checkpoint-{HALF:08d} at step {HALF}" in result.stdout
+    straight_records, resumed_records = read_metrics(straight), read_metrics(resumed)
+    assert [record["step"] for record in resumed_records] == list(range(1, STEPS + 1))
+    assert max(abs(a["lr"] - b["lr"]) for a, b in zip(straight_records, resumed_records)) <= 1e-12
+    loss_difference = max_difference(read_losses(straight), read_losses(resumed))
+    weight_difference = largest_weight_difference(straight / FINAL_CHECKPOINT, resumed / FINAL_CHECKPOINT, tmp_path)
+    print(f"\nresume pp2-1f1b -> {case}: {STEPS} steps straight vs {HALF} + {STEPS - HALF}: largest loss difference "
+          f"{loss_difference:.1e}, largest weight difference {weight_difference:.1e}")
+    if case == "pp2-1f1b":
+        assert loss_difference <= 1e-6 and weight_difference == 0.0
+    else:
+        assert loss_difference <= 1e-5 and weight_difference <= 2e-4
+
+
+def test_chapter_04s_converter_turns_a_pipeline_checkpoint_into_a_hugging_face_model(env, runs, tmp_path):
+    """convert_to_hf.py of chapter 04 reads the shards of both stages into one model: from_pretrained() gives the
+    checkpoint's weights, every one of them, exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, experiment = layout_run(runs, env, "pp2-1f1b")
+    run([sys.executable, REPO / CHAPTERS["04"] / "convert_to_hf.py", experiment / FINAL_CHECKPOINT,
+         "-o", tmp_path / "hf"], env, tmp_path)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    saved = checkpoint_weights(experiment / FINAL_CHECKPOINT, tmp_path)
+    assert converted.keys() == saved.keys()
+    assert all(torch.equal(converted[name], saved[name]) for name in saved)
+
+
+BAD_LAYOUTS = {
+    "pp not dividing the world": (2, ["--pp", "3"],
+                                  "error: --pp 3 does not divide the world size 2; use a divisor of 2"),
+    "micro-batches not dividing the batch": (None, ["--pp-microbatches", "3"],
+                                             "error: --pp-microbatches 3 does not divide --batch-size 4; "
+                                             "use a divisor of 4"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LAYOUTS)
+def test_a_bad_pp_or_micro_batch_count_gets_a_one_line_error(env, tmp_path, case):
+    nproc, flags, expected = BAD_LAYOUTS[case]
+    result, _ = train("08", env, tmp_path, *COMMON, *flags, nproc=nproc, check=False, timeout=180)
+    assert result.returncode == 1
+    if nproc is None:
+        assert error_line(result).startswith(expected), result.stderr[-3000:]
+    else:
+        # Each rank prints the one line and exits; torchrun then adds its own summary of the failed ranks.
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == nproc and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
+    assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
+
+
+# The other layouts that cannot be made, checked by the script's own check_pipeline_layout(), which main() calls
+# before anything else uses the layout: (world size, flags, a change to the tiny model's config, the error).
+LAYOUT_ERRORS = {
+    "more stages than layers": (1, ["--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "5"], {},
+                                "5 pipeline stages (--pp 1 x 5 per rank) for a model of 4 decoder layers: every "
+                                "stage needs at least one; use fewer stages"),
+    "several stages for a one-stage schedule": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--pp-stages-per-rank",
+                                                    "2"], {},
+                                                "--pp-schedule gpipe runs one stage per rank, not "
+                                                "--pp-stages-per-rank 2; use --pp-schedule interleaved-1f1b"),
+    "one stage for the interleaved schedule": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                                   "--pp-stages-per-rank", "1"], {},
+                                               "--pp-schedule interleaved-1f1b interleaves several stages on each "
+                                               "rank, not --pp-stages-per-rank 1"),
+    "fewer micro-batches than stages for 1f1b": (2, ["--pp", "2", "--pp-microbatches", "1"], {},
+                                                 "--pp-schedule 1f1b needs at least one micro-batch per stage, 2, "
+                                                 "not --pp-microbatches 1"),
+    "interleaved rounds": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5",
+                               "--batch-size", "10"], {},
+                           "--pp-schedule interleaved-1f1b runs the micro-batches in 2 equal rounds, which "
+                           "--pp-microbatches 5 cannot make"),
+    "tied embeddings across stages": (2, ["--pp", "2"], {"tie_word_embeddings": True},
+                                      "the model ties its output head to its input embeddings (tie_word_embeddings), "
+                                      "and the first and last pipeline stages cannot share one weight"),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUT_ERRORS)
+def test_every_layout_that_cannot_be_made_is_named(case, monkeypatch):
+    from transformers import AutoConfig
+
+    world_size, flags, config_changes, expected = LAYOUT_ERRORS[case]
+    chapter = load_script("08")
+    monkeypatch.setattr("sys.argv", ["train_llm.py", *flags])
+    args = chapter.parse_args()
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
+    with pytest.raises(SystemExit) as stopped:
+        chapter.check_pipeline_layout(args, world_size, config)
+    assert str(stopped.value).startswith(f"error: {expected}")
+    # The same layout with what is wrong taken away passes the check.
+    if config_changes:
+        chapter.check_pipeline_layout(args, world_size, AutoConfig.from_pretrained(TINY_MODEL))
+
+
+def test_the_readme_cpu_commands_are_layouts_tested_here():
+    """The README's torchrun commands for the CPU run layouts (processes, --pp, schedule) that the parity test runs;
+    only the batch size differs (the script's default, 8 sequences in 8 micro-batches)."""
+    commands = [shlex.split(line.strip()) for line in README.read_text().splitlines()
+                if line.strip().startswith("torchrun --standalone ")]
+    assert commands, f"no 'torchrun --standalone ...' command in {README}"
+
+    def layout_of(nproc, flags):
+        options = dict(zip(flags[::2], flags[1::2]))
+        return int(nproc), options.get("--pp", "1"), options.get("--pp-schedule", "1f1b")
+
+    tested = {layout_of(nproc, flags) for nproc, flags in LAYOUTS.values()}
+    for command in commands:
+        assert command[:4] == ["torchrun", "--standalone", "--nproc-per-node", command[3]]
+        assert command[4] == f"{CHAPTERS['08']}/train_llm.py", command
+        assert layout_of(command[3], command[5:]) in tested, command
+    assert {layout_of(command[3], command[5:]) for command in commands} == tested
