@@ -38,7 +38,19 @@ def test_gradient_accumulation_is_exact(env, tmp_path):
     _, accumulated = train("01", env, tmp_path, "--max-steps", "6", "--batch-size", "2", "--grad-accum", "2",
                            experiment="accumulated")
     assert max_difference(read_losses(whole), read_losses(accumulated)) <= 1e-5
-    assert_same_weights(whole / "checkpoint-00000006", accumulated / "checkpoint-00000006", tolerance=1e-5)
+    # NOTE: the two runs sum the same gradients in a different order, so they differ by rounding (1e-7 relative).
+    # AdamW divides each gradient by its own running size: where a gradient is near zero (a rare token's embedding
+    # row) a rounding difference moves that weight by a visible part of a step (lr 1e-3), and a different CPU moves
+    # a different handful. A real accumulation bug moves almost every weight, so the test bounds both: nearly every
+    # weight equal to 1e-6, and the few others within 5% of one step.
+    weights_whole = checkpoint_model_weights(whole / "checkpoint-00000006")
+    weights_accumulated = checkpoint_model_weights(accumulated / "checkpoint-00000006")
+    differences = torch.cat([(weights_whole[name] - weights_accumulated[name]).abs().flatten() for name in weights_whole])
+    apart = (differences > 1e-6).sum().item()
+    print(f"\ngradient accumulation: {apart} of {differences.numel()} weights differ by more than 1e-6, the largest by "
+          f"{differences.max().item():.1e}")
+    assert apart <= 1e-4 * differences.numel()
+    assert differences.max().item() <= 5e-5
 
 
 def test_a_crash_during_a_save_keeps_the_previous_checkpoint(env, tmp_path):
@@ -174,9 +186,12 @@ def test_a_checkpoint_of_another_model_gets_a_one_line_error(env, tmp_path):
     assert error_line(result).startswith("error: the checkpoint") and "hidden_size 256 vs 128" in error_line(result)
 
 
+def checkpoint_model_weights(checkpoint):
+    return torch.load(checkpoint / "model.pt", map_location="cpu", weights_only=True)
+
+
 def assert_same_weights(checkpoint_a, checkpoint_b, tolerance):
-    weights_a = torch.load(checkpoint_a / "model.pt", map_location="cpu", weights_only=True)
-    weights_b = torch.load(checkpoint_b / "model.pt", map_location="cpu", weights_only=True)
+    weights_a, weights_b = checkpoint_model_weights(checkpoint_a), checkpoint_model_weights(checkpoint_b)
     assert weights_a.keys() == weights_b.keys()
     largest = max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
     assert largest <= tolerance, f"weights differ by {largest}"

@@ -400,8 +400,21 @@ def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers
           f"SDPA {figures[1][1]:.1e} at batch size 1, {figures[4][1]:.1e} at 4")
     assert checks_before == num_layers
     assert reads_before - figures[1][0] == num_layers
-    # Every chapter passes them to its model.
-    for chapter_name in CHAPTERS:
+    # Chapter 08 computes them in each pipeline stage, from the micro-batch it receives: here one stage that holds
+    # every layer, at batch size 1, against its own SDPA logits.
+    pipeline = load_script("08")
+    model.model.layers = torch.nn.ModuleDict({str(index): layer for index, layer in enumerate(model.model.layers)})
+    stage = pipeline.DecoderStage(model, 0, 1, range(num_layers))
+    stage_logits = {}
+    for attn_implementation in ("sdpa", "flash_attention_2"):
+        model.config._attn_implementation = attn_implementation
+        packed_checks.clear()
+        with torch.no_grad():
+            stage_logits[attn_implementation] = stage(input_ids)
+        assert attn_implementation == "sdpa" or not packed_checks, f"08: {len(packed_checks)} packed-sequence checks"
+    assert (stage_logits["sdpa"] - stage_logits["flash_attention_2"]).abs().max() <= 1e-5
+    # Every other chapter passes them to its model.
+    for chapter_name in sorted(set(CHAPTERS) - {"08"}):
         source = script(chapter_name).read_text()
         assert "attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)" in source, chapter_name
         assert "**attention_kwargs).loss" in source, chapter_name
