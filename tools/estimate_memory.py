@@ -484,7 +484,7 @@ def activation_model(dims, layout, coords, widths):
     return {"saved_bytes": saved, "layer_bytes": layer_bytes, "layer_input_bytes": layer_input,
             "num_layers": num_layers, "loss_saved_bytes": loss_saved, "loss_backward_bytes": loss_backward,
             "final_norm_bytes": final_norm, "in_flight": in_flight,
-            "largest_layer_tensor_bytes": max(w["matmul"] * i / t, w["residual"] * h) * tokens}
+            "largest_layer_tensor_bytes": max(w["matmul"] * i / t, w["residual"] * h) * tokens, "tokens": tokens}
 
 
 @dataclass
@@ -579,12 +579,26 @@ def simulate_step(state, activations, groups, dims, layout, widths):
         middle = live_below + own + flowing + down_grad + gathered + grads_done
         # At its end: its whole gradients (with FSDP, unsharded, copied into the reduce-scatter's fp32 buffer).
         if fsdp:
+            # NOTE: measured on CPUs: the layer's gathered weights are still there while its gradients are copied
+            # into the reduce-scatter's buffer.
             end = (live_below + group.grad_full_bytes + 4 * group.padded_numel * (1 + 1 / layout.dp_shard)
                    + gathered + grads_done)
         else:
             end = live_below + (0 if grads_exist_at_start else group.grad_full_bytes) + grads_done + flowing / 3
         phases[f"backward of layer {group.layer}"] = max(middle, end)
         grads_done += 0 if grads_exist_at_start else sharded_grad(group)
+    # The end of backward: every gradient, and the one arriving at the embedding (whole under TP); with FSDP the
+    # last group's unsharded gradients and its reduce-scatter buffers (chapter 04's root group, chapter 05's
+    # embedding).
+    into_embedding = widths["residual"] * dims.hidden * activations["tokens"]
+    if fsdp:
+        last = groups.get("embedding") or groups.get("root")
+        if last is not None:
+            others = sum(sharded_grad(g) for g in groups.values() if g is not last)
+            phases["end of backward"] = (others + last.grad_full_bytes + 4 * last.padded_numel * (1 + 1 / layout.dp_shard)
+                                         + into_embedding)
+    elif not grads_exist_at_start:
+        phases["end of backward"] = state["grads_bytes"] + into_embedding
     phase, above_start = max(phases.items(), key=lambda item: item[1])
     at_start = (state["params_bytes"] + state["optimizer_bytes"]
                 + (state["grads_bytes"] if grads_exist_at_start else 0))

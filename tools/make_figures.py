@@ -71,7 +71,8 @@ def main():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--fast", action="store_true",
-                        help="few steps and world sizes, everything in a temporary folder: a check, not the figures")
+                        help="3 steps, two parity runs, one world size and sequence length, all in a temporary folder: "
+                             "a check of the tool, not the figures")
     parser.add_argument("--tables", action="store_true", help="only rewrite the README tables (no training)")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where the figures go (default: docs/figures, or a temporary folder with --fast)")
@@ -91,7 +92,7 @@ def main():
         path = FIGURE_MAKERS[name](runner, out_dir)
         print(f"wrote {path} ({time.perf_counter() - started:.0f}s)", flush=True)
     if not args.fast and not args.out_dir:
-        changed = write_readme_tables()
+        changed = write_readme_tables(runner)
         print(f"tables: {', '.join(changed) if changed else 'all up to date'}")
 
 
@@ -101,6 +102,7 @@ class Runner:
     def __init__(self, work_dir, fast):
         self.work_dir = Path(work_dir)
         self.fast = fast
+        self.measured = {}  # (label, world size): rank 0's measurement, for the tables drawn from runs
         self.env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
@@ -134,7 +136,7 @@ class Runner:
 def make_parity(runner, out_dir):
     steps = 3 if runner.fast else 100
     runs = []
-    for index, (label, chapter, nproc, args) in enumerate(PARITY_RUNS):
+    for index, (label, chapter, nproc, args) in enumerate(PARITY_RUNS[:2] if runner.fast else PARITY_RUNS):
         experiment = runner.train(f"parity-{index}-{chapter}", chapter, nproc, [*args, "--max-steps", str(steps)])
         runs.append((label, plot_runs.read_metrics(experiment)))
     worst = max(abs(a["loss"] - b["loss"]) for _, records in runs[1:] for a, b in zip(runs[0][1], records))
@@ -150,7 +152,7 @@ def make_memory_per_rank(runner, out_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    world_sizes = [1, 2] if runner.fast else [1, 2, 4]
+    world_sizes = [2] if runner.fast else [1, 2, 4]
     config = estimate_memory.load_config(REPO / "data" / "tiny-llama")
     num_params = estimate_memory.estimate_step(config, estimate_memory.Layout())["num_parameters"]
     figure, axes = plt.subplots(1, len(MEMORY_RUNS), figsize=(10, 3.8), sharey=True)
@@ -160,10 +162,14 @@ def make_memory_per_rank(runner, out_dir):
             args = [*flags, "--max-steps", "1", "--batch-size", "1"]
             _, measurements = runner.train(f"memory-{label}-{world_size}", chapter, world_size, args, measure=True)
             held = measurements[0]["memory_held"]
+            runner.measured[label, world_size] = measurements[0]
             estimate = estimate_memory.estimate_step(config, estimate_memory.Layout(dtype="float32",
                                                                                     **layout(world_size)))
-            assert (held["parameters"], held["gradients"], held["optimizer_state"]) == (
-                estimate["params_bytes"], estimate["grads_bytes"], estimate["optimizer_bytes"]), (label, world_size)
+            if (held["parameters"], held["gradients"], held["optimizer_state"]) != (
+                    estimate["params_bytes"], estimate["grads_bytes"], estimate["optimizer_bytes"]):
+                raise SystemExit(f"error: {label} on {world_size} ranks holds {held}, tools/estimate_memory.py "
+                                 f"says {estimate['params_bytes']}, {estimate['grads_bytes']}, "
+                                 f"{estimate['optimizer_bytes']}: one of them is wrong")
             bottom = 0.0
             for kind, colour in colours.items():
                 ax.bar(world_size, held[kind] / 1e6, bottom=bottom, width=0.6, color=colour,
@@ -224,7 +230,7 @@ def make_activation_checkpointing(runner, out_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    seq_lengths = [64, 128] if runner.fast else [64, 128, 256, 512]
+    seq_lengths = [64] if runner.fast else [64, 128, 256, 512]
     config = estimate_memory.load_config(REPO / "data" / "tiny-llama")
     figure, (left, right) = plt.subplots(1, 2, figsize=(10.5, 3.8))
     for checkpointing, colour in [(False, "#c44e52"), (True, "#4c72b0")]:
@@ -292,7 +298,10 @@ def load_chapter_module(chapter):
 
 
 def gigabytes(value):
-    return f"{value / 1e9:,.1f} GB" if value < 1e12 else f"{value / 1e9:,.0f} GB"
+    """1,623 GB, 635 GB, 101.5 GB, 5.1 GB: whole gigabytes from a thousand up, else one decimal (not .0)."""
+    if value >= 1e12:
+        return f"{value / 1e9:,.0f} GB"
+    return f"{value / 1e9:,.1f}".removesuffix(".0") + " GB"
 
 
 def table_04_zero_stages():
@@ -353,8 +362,9 @@ def table_05_activations():
     lengths = [512, 1024, 2048, 4096, 8192]
     lines = ["| `--seq-length` (batch 1) | " + " | ".join(f"{n:,}" for n in lengths) + " |",
              "| --- | " + " | ".join("---" for _ in lengths) + " |"]
-    for label, checkpointing in [("all 126 layers' activations, without checkpointing", False),
-                                 ("with activation checkpointing: the layer inputs + one layer recomputed", True)]:
+    for label, checkpointing in [("without checkpointing: all 126 layers' activations, and the loss's fp32 logits", False),
+                                 ("with activation checkpointing: the layer inputs, one layer recomputed, the logits",
+                                  True)]:
         cells = []
         for length in lengths:
             layout = estimate_memory.Layout(dp=64, fsdp=True, split_root_group=True, batch_size=1, seq_length=length,
@@ -371,6 +381,30 @@ def table_05_activations():
     return "\n".join(lines)
 
 
+def table_04_measured_communication(runner):
+    """Chapter 04: what rank 0 sent in one step of the memory figure's runs, next to the textbook volumes."""
+    config = estimate_memory.load_config(REPO / "data" / "tiny-llama")
+    parameters = estimate_memory.model_parameters(config)
+    psi = 4 * sum(estimate_memory.numel(p.shape) for p in parameters)
+    last_layer = max(p.layer for p in parameters if p.layer is not None)
+    kept = 4 * sum(estimate_memory.numel(p.shape) for p in parameters if p.layer in (None, last_layer))
+    lines = []
+    for world_size in sorted({n for label, n in runner.measured if label == "DDP"}):
+        def sent(label, kinds):
+            collectives = runner.measured[label, world_size]["steps"][0]["collectives"]
+            return sum(c["sent_bytes"] for key, c in collectives.items() if key.split(" over ")[0] in kinds)
+
+        fraction = (world_size - 1) / world_size
+        lines.append(f"| {world_size} | {sent('DDP', ['all_reduce']) / 1e6:.2f} MB | {2 * psi * fraction / 1e6:.2f} MB | "
+                     f"{sent('FSDP', ['all_gather', 'reduce_scatter']) / 1e6:.2f} MB | "
+                     f"{(3 * psi - kept) * fraction / 1e6:.2f} MB |")
+    return "\n".join(lines)
+
+
+# Tables drawn from the runs of a full make_figures.py run: (README, the function that writes it from the runner).
+MEASURED_TABLES = {
+    "measured-communication": ("04-fully-sharded-data-parallel/README.md", table_04_measured_communication),
+}
 README_TABLES = {
     # marker name: (README, the function that writes the table)
     "zero-stages": ("04-fully-sharded-data-parallel/README.md", table_04_zero_stages),
@@ -379,10 +413,15 @@ README_TABLES = {
 }
 
 
-def readme_tables():
-    """{README path: its text with every marked table as the estimator writes it now}."""
+def readme_tables(runner=None):
+    """{README path: its text with every marked table as the estimator writes it now (and, given the runner of a
+    full run, the tables drawn from its measurements)}."""
     texts = {}
-    for name, (readme, make_table) in README_TABLES.items():
+    tables = {name: (readme, make_table) for name, (readme, make_table) in README_TABLES.items()}
+    if runner is not None:
+        tables.update({name: (readme, lambda make=make_table: make(runner))
+                       for name, (readme, make_table) in MEASURED_TABLES.items()})
+    for name, (readme, make_table) in tables.items():
         path = REPO / readme
         text = texts.get(path, path.read_text())
         pattern = re.compile(rf"(<!-- table: {name}, written by tools/make_figures\.py -->\n)(.*?)(\n<!-- end of table -->)",
@@ -395,9 +434,9 @@ def readme_tables():
     return texts
 
 
-def write_readme_tables():
+def write_readme_tables(runner=None):
     changed = []
-    for path, text in readme_tables().items():
+    for path, text in readme_tables(runner).items():
         if path.read_text() != text:
             path.write_text(text)
             changed.append(str(path.relative_to(REPO)))
