@@ -78,6 +78,8 @@ def main():
                         help="where the figures go (default: docs/figures, or a temporary folder with --fast)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--only", nargs="+", choices=list(FIGURE_MAKERS), help="make only these figures")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the runs a previous call left in --work-dir instead of training again")
     args = parser.parse_args()
     if args.tables:
         changed = write_readme_tables()
@@ -86,7 +88,7 @@ def main():
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="make-figures-"))
     out_dir = args.out_dir or (work_dir / "figures" if args.fast else FIGURES)
     out_dir.mkdir(parents=True, exist_ok=True)
-    runner = Runner(work_dir, fast=args.fast)
+    runner = Runner(work_dir, fast=args.fast, reuse=args.reuse)
     for name in args.only or FIGURE_MAKERS:
         started = time.perf_counter()
         path = FIGURE_MAKERS[name](runner, out_dir)
@@ -99,9 +101,10 @@ def main():
 class Runner:
     """Runs chapters' scripts on the CPU, each in a folder of its own, and stops with the log tail if one fails."""
 
-    def __init__(self, work_dir, fast):
+    def __init__(self, work_dir, fast, reuse=False):
         self.work_dir = Path(work_dir)
         self.fast = fast
+        self.reuse = reuse
         self.measured = {}  # (label, world size): rank 0's measurement, for the tables drawn from runs
         self.env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -109,10 +112,12 @@ class Runner:
     def train(self, name, chapter, nproc, args, measure=False):
         """Train; returns the experiment folder (and, with measure=True, the measurements of every rank)."""
         experiment = self.work_dir / "outputs" / name
+        measured_dir = self.work_dir / "measured" / name
+        if self.reuse and (experiment / "metrics.jsonl").exists() and (not measure or measured_dir.exists()):
+            return (experiment, read_measurements(measured_dir)) if measure else experiment
         shutil.rmtree(experiment, ignore_errors=True)
         launcher = [sys.executable] if nproc is None else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-        measured_dir = self.work_dir / "measured" / name
         if measure:
             shutil.rmtree(measured_dir, ignore_errors=True)
             launcher = [*launcher, str(TOOLS / "measure_step.py"), "--out", str(measured_dir)]
@@ -141,8 +146,8 @@ def make_parity(runner, out_dir):
         runs.append((label, plot_runs.read_metrics(experiment)))
     worst = max(abs(a["loss"] - b["loss"]) for _, records in runs[1:] for a, b in zip(runs[0][1], records))
     figure = plot_runs.plot_runs(runs, ["loss", "difference"], width=7.5,
-                                 title=f"Every chapter trains chapter 01's loss curve: {steps} steps, global batch "
-                                       f"4 x 64 tokens, fp32 on CPUs; largest difference {worst:.1e}")
+                                 title=f"Every chapter trains chapter 01's loss curve\n{steps} steps of the same "
+                                       f"global batch (4 x 64 tokens), fp32 on CPUs; largest difference {worst:.1e}")
     return save(figure, out_dir / "parity.png")
 
 
@@ -175,24 +180,25 @@ def make_memory_per_rank(runner, out_dir):
                 ax.bar(world_size, held[kind] / 1e6, bottom=bottom, width=0.6, color=colour,
                        label=kind.replace("_", " ") if world_size == world_sizes[0] else None)
                 bottom += held[kind] / 1e6
-        line_x = [x / 10 for x in range(8, 10 * world_sizes[-1] + 3)]
-        ax.plot(line_x, [bytes_per_param(x) * num_params / 1e6 for x in line_x], color="black", linewidth=1.2,
-                label=bytes_per_param_label(label))
-        ax.set_title(f"{label} (chapter {chapter})")
+        line_x = [1 + x / 10 for x in range(10 * (world_sizes[-1] - 1) + 3)]
+        ax.plot(line_x, [bytes_per_param(x) * num_params / 1e6 for x in line_x], color="black", linewidth=1.2)
+        ax.set_title(f"{label} (chapter {chapter})\n{bytes_per_param_label(label)}", fontsize="medium")
         ax.set_xticks(world_sizes)
         ax.set_xlabel("ranks N")
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize="small")
     axes[0].set_ylabel("MB held by rank 0 after a step")
-    figure.suptitle(f"What each rank holds of the {num_params / 1e6:.2f}M-parameter tiny Llama (measured, fp32), "
-                    "against the bytes per parameter of the text")
-    figure.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    theory = f"bytes per parameter x {num_params / 1e6:.2f}M parameters (the text)"
+    figure.legend([*handles, plt.Line2D([], [], color="black")], [*labels, theory], loc="lower center", ncol=4,
+                  fontsize="small", frameon=False)
+    figure.suptitle(f"What each rank holds of the {num_params / 1e6:.2f}M-parameter tiny Llama, measured (fp32)",
+                    fontsize="medium")
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     return save(figure, out_dir / "memory_per_rank.png")
 
 
 def bytes_per_param_label(label):
-    return {"DDP": "16 bytes per parameter", "ZeRO-1": "8 + 8/N bytes per parameter",
-            "FSDP": "16/N bytes per parameter"}[label]
+    return {"DDP": "16 bytes/parameter", "ZeRO-1": "8 + 8/N bytes/parameter", "FSDP": "16/N bytes/parameter"}[label]
 
 
 def make_lr_schedule(runner, out_dir):
@@ -207,9 +213,10 @@ def make_lr_schedule(runner, out_dir):
     records = plot_runs.read_metrics(experiment)
     chapter01 = load_chapter_module("01")
     peak_lr = 1e-3
-    formula = [peak_lr * chapter01.warmup_cosine_lr_factor(step, warmup, steps) for step in range(steps)]
+    # NOTE: the lr logged at step s is the one after that step's scheduler update, factor(s): the next step's.
+    formula = [peak_lr * chapter01.warmup_cosine_lr_factor(step, warmup, steps) for step in range(1, steps + 1)]
     figure, ax = plt.subplots(figsize=(7, 3.2))
-    ax.plot(range(1, steps + 1), formula, color="black", linewidth=1, label="warmup_cosine_lr_factor() x --lr")
+    ax.plot(range(1, steps + 1), formula, color="black", linewidth=1, label="warmup_cosine_lr_factor(step) x --lr")
     ax.plot([r["step"] for r in records], [r["lr"] for r in records], "o", markersize=3, color="#dd8452",
             label="lr logged in metrics.jsonl", markevery=max(1, steps // 50))
     ax.axvline(warmup, color="grey", linestyle=":", linewidth=1)
@@ -217,7 +224,8 @@ def make_lr_schedule(runner, out_dir):
                 fontsize="small")
     ax.set_xlabel("step")
     ax.set_ylabel("learning rate")
-    ax.set_title(f"Chapter 01's schedule: linear warm-up over {warmup} steps, cosine to --lr / 10 at step {steps}")
+    ax.set_title(f"Chapter 01's learning rate: warm-up over {warmup} steps, cosine to --lr / 10 at step {steps}",
+                 fontsize="medium")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small")
     figure.tight_layout()
@@ -389,7 +397,7 @@ def table_04_measured_communication(runner):
     last_layer = max(p.layer for p in parameters if p.layer is not None)
     kept = 4 * sum(estimate_memory.numel(p.shape) for p in parameters if p.layer in (None, last_layer))
     lines = []
-    for world_size in sorted({n for label, n in runner.measured if label == "DDP"}):
+    for world_size in sorted({n for label, n in runner.measured if label == "DDP" and n > 1}):
         def sent(label, kinds):
             collectives = runner.measured[label, world_size]["steps"][0]["collectives"]
             return sum(c["sent_bytes"] for key, c in collectives.items() if key.split(" over ")[0] in kinds)
@@ -418,7 +426,8 @@ def readme_tables(runner=None):
     full run, the tables drawn from its measurements)}."""
     texts = {}
     tables = {name: (readme, make_table) for name, (readme, make_table) in README_TABLES.items()}
-    if runner is not None:
+    if runner is not None and runner.measured:
+        # NOTE: only from a run that made the memory figure (not with --only parity, say).
         tables.update({name: (readme, lambda make=make_table: make(runner))
                        for name, (readme, make_table) in MEASURED_TABLES.items()})
     for name, (readme, make_table) in tables.items():

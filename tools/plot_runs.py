@@ -35,9 +35,9 @@ def main():
     )
     parser.add_argument("runs", nargs="+", help="experiment folders (outputs/NAME) or metrics.jsonl files")
     parser.add_argument("-o", "--output", default="runs.png", help="the figure file: .png or .svg")
-    parser.add_argument("--labels", nargs="+", help="a legend label per run (default: the folder names)")
-    parser.add_argument("--metrics", nargs="+", choices=list(PANELS), default=DEFAULT_PANELS,
-                        help="the panels, in order ('difference' needs two runs or more)")
+    parser.add_argument("--labels", nargs="+", metavar="LABEL", help="a legend label per run (default: folder names)")
+    parser.add_argument("--metrics", nargs="+", choices=list(PANELS), default=DEFAULT_PANELS, metavar="PANEL",
+                        help=f"the panels, in order, of {', '.join(PANELS)} ('difference' needs two runs or more)")
     parser.add_argument("--title", default=None, help="a title above the panels")
     parser.add_argument("--dpi", type=int, default=110, help="resolution of a PNG")
     args = parser.parse_args()
@@ -98,7 +98,7 @@ def plot_runs(runs, panels, title=None, width=7.0, panel_height=2.3):
         ax.grid(True, alpha=0.3)
     axes[-1, 0].set_xlabel("step")
     if title:
-        figure.suptitle(title)
+        figure.suptitle(title, fontsize="medium")
     figure.tight_layout()
     return figure
 
@@ -133,8 +133,8 @@ def draw_differences(ax, runs):
 def line_styles(count):
     """Distinct colours, and markers that keep overlapping lines visible: equal curves lie on top of each other."""
     markers = ["o", "s", "^", "v", "D", "x", "+", "*"]
-    return [{"marker": markers[i % len(markers)], "markersize": max(2.5, 6.0 - 0.7 * i), "linewidth": 1.2,
-             "markevery": 0.05, "alpha": 0.85} for i in range(count)]
+    return [{"color": f"C{i % 10}", "marker": markers[i % len(markers)], "markersize": max(2.5, 6.0 - 0.7 * i),
+             "linewidth": 1.2, "markevery": 0.05, "alpha": 0.85} for i in range(count)]
 
 
 def save_figure(figure, output, dpi=110):
