@@ -14,7 +14,8 @@ The figures, and the runs each one is drawn from (the tables below list them; a 
     activation_checkpointing.png  the peak of a step above the model state, chapter 05 with and without
                                 --activation-checkpointing, measured and estimated; and the estimate for 405B
 
-Everything runs on the CPU with the bundled tiny model and corpus; a full run takes about 20 minutes on 2 cores.
+Everything runs on the CPU with the bundled tiny model and corpus; a full run took 32 minutes on 2 busy cores
+(--reuse redraws from the runs a previous call left in --work-dir, in seconds).
 """
 
 import argparse
@@ -396,7 +397,8 @@ def table_04_measured_communication(runner):
     psi = 4 * sum(estimate_memory.numel(p.shape) for p in parameters)
     last_layer = max(p.layer for p in parameters if p.layer is not None)
     kept = 4 * sum(estimate_memory.numel(p.shape) for p in parameters if p.layer in (None, last_layer))
-    lines = []
+    lines = ["| ranks | chapter 02 (DDP): all-reduce | theory 2Ψ (N-1)/N | chapter 04 (FSDP): all-gather + "
+             "reduce-scatter | theory (3Ψ - kept) (N-1)/N |", "| --- | --- | --- | --- | --- |"]
     for world_size in sorted({n for label, n in runner.measured if label == "DDP" and n > 1}):
         def sent(label, kinds):
             collectives = runner.measured[label, world_size]["steps"][0]["collectives"]
