@@ -72,7 +72,7 @@ def main():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--fast", action="store_true",
-                        help="3 steps, two parity runs, one world size and sequence length, all in a temporary folder: "
+                        help="3 steps, two parity runs, one process per run otherwise, all in a temporary folder: "
                              "a check of the tool, not the figures")
     parser.add_argument("--tables", action="store_true", help="only rewrite the README tables (no training)")
     parser.add_argument("--out-dir", type=Path, default=None,
@@ -158,7 +158,7 @@ def make_memory_per_rank(runner, out_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    world_sizes = [2] if runner.fast else [1, 2, 4]
+    world_sizes = [1] if runner.fast else [1, 2, 4]
     config = estimate_memory.load_config(REPO / "data" / "tiny-llama")
     num_params = estimate_memory.estimate_step(config, estimate_memory.Layout())["num_parameters"]
     figure, axes = plt.subplots(1, len(MEMORY_RUNS), figsize=(10, 3.8), sharey=True)
