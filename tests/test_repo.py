@@ -90,3 +90,32 @@ def test_every_training_forward_builds_no_kv_cache(chapter):
     for call in forwards:
         keywords = {keyword.arg: ast.unparse(keyword.value) for keyword in call.keywords}
         assert keywords.get("use_cache") == "False", f"line {call.lineno}: {ast.unparse(call)}"
+
+
+ALL_READMES = sorted(path for path in REPO.rglob("*.md") if not any(
+    part.startswith(".") or part in ("outputs", "logs") for part in path.relative_to(REPO).parts))
+IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)[^)]*\)|<img[^>]*\ssrc=\"([^\"]+)\"")
+TOOLS_WITH_HELP = ["plot_runs.py", "make_figures.py", "estimate_memory.py", "measure_step.py", "generate.py"]
+
+
+@pytest.mark.parametrize("readme", ALL_READMES, ids=lambda path: str(path.relative_to(REPO)))
+def test_every_image_link_resolves(readme):
+    links = [markdown or html for markdown, html in IMAGE_LINK.findall(readme.read_text())]
+    missing = [link for link in links if not link.startswith(("http://", "https://"))
+               and not (readme.parent / link).is_file()]
+    assert not missing, f"{readme.relative_to(REPO)} shows images that do not exist: {missing}"
+
+
+def test_the_readme_tables_are_what_the_estimator_computes():
+    sys.path.insert(0, str(REPO / "tools"))
+    import make_figures
+
+    stale = [str(path.relative_to(REPO)) for path, text in make_figures.readme_tables().items()
+             if path.read_text() != text]
+    assert not stale, f"tables in {stale} differ from tools/estimate_memory.py: run python tools/make_figures.py --tables"
+
+
+@pytest.mark.parametrize("tool", TOOLS_WITH_HELP)
+def test_every_tool_answers_help(env, tmp_path, tool):
+    result = run([sys.executable, REPO / "tools" / tool, "--help"], env, tmp_path, timeout=120)
+    assert result.stdout.startswith("usage: ")

@@ -1,0 +1,796 @@
+"""Estimate what one training step of this guide's scripts holds and sends on one GPU, for any Hugging Face model
+config and parallel layout: parameters, gradients, optimizer state, activations, the transient buffers (gathered
+layers, unsharded gradients, the loss's gradient), and the bytes each GPU sends per step, with the time that takes.
+
+    python tools/estimate_memory.py -m data/configs/llama-3.1-8b --fsdp --dp 8
+    python tools/estimate_memory.py -m data/configs/llama-3.1-70b --tp 8 --dp 4 --fsdp --batch-size 1 --seq-length 4096
+    python tools/estimate_memory.py -m data/configs/llama-3.1-405b --fsdp --dp 64 --activation-checkpointing --cpu-offload
+    python tools/estimate_memory.py --dp 2 --zero1 --dtype float32 --json
+
+-m takes a local folder with config.json or a hub name (only the config is read, never weights; offline, a local
+folder works). The layout flags are the chapters' own:
+
+    (nothing)              chapter 01: one GPU
+    --dp N                 chapter 02/03: DDP over N GPUs; with --zero1, ZeroRedundancyOptimizer
+    --dp N --fsdp          chapter 04: FSDP2, one group per decoder layer and a root group; --split-root-group for
+                           chapter 05's groups; --activation-checkpointing and --cpu-offload as in chapter 05
+    --tp T                 chapter 06: tensor + sequence parallel, loss parallel
+    --tp T --dp N --fsdp   chapter 07: TP inside a node, FSDP across (--dp-replicate R for hybrid sharding)
+    --pp P, --cp C         pipeline and context parallelism: textbook formulas until chapters 08 and 09 exist
+
+Sizes are per GPU, for the rank given by --rank (default 0; with FSDP a rank whose rows do not divide evenly holds
+fewer). The tests (tests/test_estimate_memory.py) compare parameters, gradients and optimizer state, to the byte,
+and the communication per step, within 1%, with what tools/measure_step.py measures in the chapters' scripts on
+CPUs, and the activations with the measured peak of live tensors within 15%. The bf16 activation widths follow
+the op-by-op accounting of chapter 01's README (CUDA's autocast runs attention in bf16; a CPU runs it in fp32), and
+are not measured here. "Bytes sent" is defined in tools/measure_step.py: a ring all-reduce sends 2(N-1)/N of its
+buffer, an all-gather or reduce-scatter (N-1)/N of the full tensor.
+"""
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure_step import bytes_sent  # noqa: E402  (one definition of "bytes sent" for the meter and the estimate)
+
+# Default link bandwidths per GPU and direction: NVLink 4 on H100/H200 (900 GB/s both ways), and one 400 Gb/s
+# InfiniBand NIC per GPU (50 GB/s).
+DEFAULT_BANDWIDTHS_GBS = [450.0, 50.0]
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+# Chapter 06's tensor-parallel plan, by the parameter's name inside a decoder layer: which dimension is split.
+COLUMNWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def main():
+    args = parse_args()
+    config = load_config(args.model_name)
+    layout = layout_from_args(args)
+    estimate = estimate_step(config, layout)
+    if args.json:
+        print(json.dumps(estimate, indent=2))
+    else:
+        print_estimate(estimate, args.bandwidth_gbs)
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(
+        description="Estimate per-GPU memory (parameters, gradients, optimizer state, activations, transient "
+                    "buffers) and communication per training step for a Hugging Face config and a parallel layout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
+                        help="local folder with config.json, or a Hugging Face hub name (config only)")
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree (DDP ranks, or FSDP's shard ranks)")
+    parser.add_argument("--zero1", action="store_true", help="shard the optimizer state over --dp (chapter 02)")
+    parser.add_argument("--zero2", action="store_true",
+                        help="shard gradients and optimizer state over --dp (ZeRO-2: no chapter implements it)")
+    parser.add_argument("--fsdp", action="store_true", help="shard parameters, gradients, optimizer state (FSDP2)")
+    parser.add_argument("--dp-replicate", type=int, default=1,
+                        help="hybrid sharding: FSDP shards within --dp / R ranks, R replicas (chapter 07)")
+    parser.add_argument("--split-root-group", action="store_true",
+                        help="chapter 05's FSDP groups: the embedding freed after its forward, norm and head apart")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06's plan)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (1F1B schedule; textbook)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention; textbook)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="keep only each decoder layer's input, recompute the rest in backward (chapter 05)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="FSDP's sharded parameters, gradients and optimizer state in CPU memory")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per data-parallel rank")
+    parser.add_argument("--seq-length", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (pipeline: per stage)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="compute dtype: bfloat16 is the scripts' --dtype auto on a GPU, float32 on a CPU")
+    parser.add_argument("--rank", type=int, default=0, help="the rank to report")
+    parser.add_argument("--bandwidth-gbs", type=float, nargs="+", default=DEFAULT_BANDWIDTHS_GBS,
+                        help="link bandwidths per GPU and direction, in GB/s, to time the communication at "
+                             "(defaults: NVLink, 400 Gb/s InfiniBand)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return parser
+
+
+def parse_args():
+    args = get_parser().parse_args()
+    for name in ["dp", "tp", "pp", "cp", "dp_replicate", "batch_size", "seq_length", "grad_accum"]:
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.zero1 + args.zero2 + args.fsdp > 1:
+        fail("choose one of --zero1, --zero2 and --fsdp: FSDP already shards what the ZeRO stages shard")
+    if args.dp_replicate > 1 and not args.fsdp:
+        fail("--dp-replicate is FSDP's hybrid sharding; add --fsdp")
+    if args.dp % args.dp_replicate:
+        fail(f"--dp-replicate {args.dp_replicate} does not divide --dp {args.dp}")
+    if (args.cpu_offload or args.split_root_group) and not args.fsdp:
+        fail("--cpu-offload and --split-root-group are FSDP options; add --fsdp")
+    world_size = args.dp * args.tp * args.pp * args.cp
+    if not 0 <= args.rank < world_size:
+        fail(f"--rank {args.rank} is not a rank of the {world_size} GPUs (dp x tp x pp x cp)")
+    return args
+
+
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def load_config(model_name):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_name)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        fail(f"cannot load a model config from {model_name!r} ({first_line}); pass -m a local folder with "
+             "config.json (data/configs/ has Llama 3.1 8B, 70B and 405B) or a hub name, online")
+
+
+@dataclass
+class Layout:
+    """A parallel layout and a step's shape. The defaults are chapter 01's CPU run."""
+
+    dp: int = 1
+    zero1: bool = False
+    zero2: bool = False
+    fsdp: bool = False
+    dp_replicate: int = 1
+    split_root_group: bool = False
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    batch_size: int = 8
+    seq_length: int = 256
+    grad_accum: int = 1
+    dtype: str = "float32"
+    rank: int = 0
+
+    @property
+    def world_size(self):
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def dp_shard(self):
+        return self.dp // self.dp_replicate
+
+    @property
+    def fsdp_shards(self):
+        """The ranks FSDP shards a parameter over: NOTE: context-parallel ranks hold the same weights and compute
+        on other tokens, like data-parallel ones, so FSDP shards over them too (as torchtitan does)."""
+        return self.dp_shard * self.cp
+
+
+def layout_from_args(args):
+    names = Layout.__dataclass_fields__
+    return Layout(**{name: getattr(args, name) for name in names})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model, as its parameters
+
+
+@dataclass
+class Parameter:
+    name: str
+    shape: tuple
+    layer: int | None           # decoder layer index, None for the embedding, final norm and head
+    role: str                   # "embedding", "head", "norm", "colwise", "rowwise", "rowwise_bias", "replicate"
+
+
+def model_parameters(config):
+    """Every parameter of the model the config describes, built on the meta device: names and shapes, no memory.
+
+    NOTE: a tied output head shares the embedding's parameter, and named_parameters() lists it once, as the
+    scripts' optimizers and memory counts see it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = []
+    for name, param in model.named_parameters():
+        match = re.search(r"\.layers\.(\d+)\.(.*)", name)
+        layer, local_name = (int(match.group(1)), match.group(2)) if match else (None, name)
+        if name.endswith("embed_tokens.weight"):
+            role = "embedding"
+        elif name.startswith("lm_head."):
+            role = "head"
+        elif "norm" in local_name:
+            role = "norm"
+        elif local_name.startswith(COLUMNWISE):
+            role = "colwise"
+        elif local_name.startswith(ROWWISE):
+            role = "rowwise" if local_name.endswith("weight") else "rowwise_bias"
+        else:
+            role = "replicate"
+        parameters.append(Parameter(name, tuple(param.shape), layer, role))
+    return parameters
+
+
+def model_buffer_bytes(config):
+    """The bytes of the model's buffers (Llama's rotary frequencies), which DDP broadcasts at every forward."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(4 * buffer.numel() for _, buffer in model.named_buffers())
+
+
+@dataclass
+class Dimensions:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    layers: int
+    tied: bool
+
+    @property
+    def q_dim(self):
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self):
+        return self.kv_heads * self.head_dim
+
+
+def model_dimensions(config):
+    heads = config.num_attention_heads
+    return Dimensions(
+        hidden=config.hidden_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate=config.intermediate_size, vocab=config.vocab_size, layers=config.num_hidden_layers,
+        tied=bool(getattr(config, "tie_word_embeddings", False)))
+
+
+def check_layout(parameters, dims, layout):
+    if layout.tp > 1:
+        unknown = sorted({p.name for p in parameters if p.role == "replicate"})
+        if unknown:
+            fail(f"chapter 06's tensor-parallel plan does not cover {unknown[:3]}: it is written for Llama-style "
+                 "decoders (q/k/v/o projections, a gated MLP, RMSNorms)")
+        for what, size in [("attention heads", dims.heads), ("key/value heads", dims.kv_heads),
+                           ("MLP width", dims.intermediate), ("vocabulary", dims.vocab),
+                           ("sequence length", layout.seq_length)]:
+            if size % layout.tp:
+                fail(f"--tp {layout.tp} does not divide the {what}, {size} (chapter 06 needs every split even)")
+    if layout.cp > 1 and layout.seq_length % layout.cp:
+        fail(f"--cp {layout.cp} does not divide --seq-length {layout.seq_length}")
+    if layout.pp > dims.layers:
+        fail(f"--pp {layout.pp} is more stages than the model's {dims.layers} decoder layers")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Where this rank sits
+
+
+@dataclass
+class Coordinates:
+    """This rank's place on the mesh. NOTE: chapter 07's order, tp fastest (one node's GPUs), then the data-parallel
+    dimensions; pipeline stages outermost and context parallelism next to tp until chapters 08 and 09 say otherwise."""
+
+    pp: int
+    replicate: int
+    shard: int
+    cp: int
+    tp: int
+
+
+def rank_coordinates(layout):
+    rank = layout.rank
+    rank, tp = divmod(rank, layout.tp)
+    rank, cp = divmod(rank, layout.cp)
+    rank, shard = divmod(rank, layout.dp_shard)
+    pp, replicate = divmod(rank, layout.dp_replicate)
+    return Coordinates(pp=pp, replicate=replicate, shard=shard, cp=cp, tp=tp)
+
+
+def stage_layers(dims, layout, stage):
+    """The decoder layers of a pipeline stage: as even a split as the layers allow, earlier stages taking the rest."""
+    per_stage, extra = divmod(dims.layers, layout.pp)
+    start = stage * per_stage + min(stage, extra)
+    return range(start, start + per_stage + (stage < extra))
+
+
+def on_this_stage(param, dims, layout, stage):
+    if layout.pp == 1:
+        return True
+    if param.layer is not None:
+        return param.layer in stage_layers(dims, layout, stage)
+    if param.role == "embedding":
+        return stage == 0 or (dims.tied and stage == layout.pp - 1)
+    return stage == layout.pp - 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sizes of one rank's pieces
+
+
+def chunk_length(length, parts, index):
+    """The length of torch.chunk(tensor of this length, parts)[index]: what DTensor's Shard and FSDP2 keep."""
+    size = -(-length // parts)
+    return max(0, min(size, length - index * size))
+
+
+def tp_local_shape(param, layout, coords):
+    """The shape of this rank's slice under chapter 06's plan; the gradient's local shape is returned too.
+
+    NOTE: in torch 2.13 the embedding's gradient arrives as a Replicate DTensor, the full table, and the norms'
+    gradients as Partial ones, full-sized on every rank (chapter 06's README): the gradient can be bigger than the
+    parameter it belongs to.
+    """
+    shape = list(param.shape)
+    if layout.tp == 1:
+        return tuple(shape), tuple(shape)
+    full = tuple(shape)
+    if param.role in ("colwise", "head", "embedding"):
+        shape[0] = chunk_length(shape[0], layout.tp, coords.tp)
+    elif param.role == "rowwise":
+        shape[1] = chunk_length(shape[1], layout.tp, coords.tp)
+    local = tuple(shape)
+    grad = full if param.role in ("embedding", "norm") else local
+    return local, grad
+
+
+def fsdp_local_shape(shape, layout, coords):
+    """FSDP2 keeps the rows chunk(dim 0, shards)[shard] of the (tensor-parallel) local tensor."""
+    if not layout.fsdp or layout.fsdp_shards == 1 or not shape:
+        return tuple(shape)
+    return (chunk_length(shape[0], layout.fsdp_shards, coords.shard * layout.cp + coords.cp), *shape[1:])
+
+
+def fsdp_padded_numel(shape, layout):
+    """The elements FSDP2 all-gathers and reduce-scatters for a parameter: dim 0 padded to a multiple of the shards."""
+    rows = -(-shape[0] // layout.fsdp_shards) * layout.fsdp_shards if shape else 1
+    return rows * math.prod(shape[1:])
+
+
+def numel(shape):
+    return math.prod(shape)
+
+
+def zero1_partition(parameters, world_size):
+    """The parameter indices each rank of ZeroRedundancyOptimizer updates: largest first, each to the rank that holds
+    the fewest elements so far (torch's _partition_parameters), so the estimate matches it exactly."""
+    sizes = [0] * world_size
+    owners = {}
+    for index in sorted(range(len(parameters)), key=lambda i: numel(parameters[i].shape), reverse=True):
+        rank = sizes.index(min(sizes))
+        owners[index] = rank
+        sizes[rank] += numel(parameters[index].shape)
+    return owners
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The estimate
+
+
+def estimate_step(config, layout):
+    """Everything the tool reports, as one dict of plain numbers (the --json output)."""
+    parameters = model_parameters(config)
+    dims = model_dimensions(config)
+    check_layout(parameters, dims, layout)
+    coords = rank_coordinates(layout)
+    state = model_state(parameters, dims, layout, coords)
+    widths = byte_widths(layout)
+    activations = activation_model(dims, layout, coords, widths)
+    groups = fsdp_groups(parameters, dims, layout, coords)
+    peak = simulate_step(state, activations, groups, dims, layout, widths)
+    comm = communication(parameters, dims, layout, coords, groups, widths, model_buffer_bytes(config))
+    return {
+        "model": getattr(config, "name_or_path", "") or config.model_type,
+        "num_parameters": sum(numel(p.shape) for p in parameters),
+        "layout": asdict(layout),
+        "world_size": layout.world_size,
+        "params_bytes": state["params_bytes"],
+        "grads_bytes": state["grads_bytes"],
+        "optimizer_bytes": state["optimizer_bytes"],
+        "cpu_bytes": state["cpu_bytes"],
+        "activations_bytes": activations["saved_bytes"],
+        "gathered_weights_bytes": gathered_weights(groups, layout),
+        "transient_bytes": peak["transient_bytes"],
+        "step_peak_above_start_bytes": peak["above_start_bytes"],
+        "peak_bytes": peak["peak_bytes"],
+        "peak_phase": peak["phase"],
+        "comm_bytes_per_step": sum(group["sent_bytes"] for group in comm.values()),
+        "comm_by_group": comm,
+    }
+
+
+def model_state(parameters, dims, layout, coords):
+    """Bytes of this rank's parameters, gradients and AdamW state, all fp32 as in every chapter."""
+    owners = zero1_partition(parameters, layout.dp) if layout.zero1 or layout.zero2 else None
+    params = grads = optimizer = 0
+    for index, param in enumerate(parameters):
+        if not on_this_stage(param, dims, layout, coords.pp):
+            continue
+        local, grad = tp_local_shape(param, layout, coords)
+        local = fsdp_local_shape(local, layout, coords)
+        # NOTE: FSDP reduce-scatters every gradient into the shape of its parameter's shard.
+        grad = local if layout.fsdp else grad
+        mine = owners is None or owners[index] == coords.shard
+        params += 4 * numel(local)
+        grads += 4 * numel(grad) if not layout.zero2 or mine else 0
+        optimizer += 8 * numel(local) if mine else 0
+    cpu = 0
+    if layout.cpu_offload:
+        cpu, params, grads, optimizer = params + grads + optimizer, 0, 0, 0
+    return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer, "cpu_bytes": cpu}
+
+
+def byte_widths(layout):
+    """Bytes per element of what a step computes, by where it lives.
+
+    NOTE: three regimes. In float32 everything is 4 bytes. Chapters 01-03 and 06 compute in bf16 with autocast: the
+    weights and the residual stream stay fp32, matmul outputs and attention are bf16. Chapters 04, 05 and 07 use
+    FSDP's MixedPrecisionPolicy: the gathered weights are bf16, and so is everything computed from them, except
+    inside the RMSNorms (fp32) and the loss (fp32).
+    """
+    if layout.dtype == "float32":
+        return {"residual": 4, "norm": 4, "matmul": 4, "attention": 4, "weights": 4, "loss": 4, "grads": 4}
+    if layout.fsdp:
+        return {"residual": 2, "norm": 4, "matmul": 2, "attention": 2, "weights": 2, "loss": 4, "grads": 2}
+    return {"residual": 4, "norm": 4, "matmul": 2, "attention": 2, "weights": 4, "loss": 4, "grads": 4}
+
+
+def activation_model(dims, layout, coords, widths):
+    """Bytes autograd keeps between forward and backward, per decoder layer and for the rest of the model.
+
+    Per token of a Llama-style decoder layer (sdpa or flash attention, which never store the s x s scores), with
+    t the tensor-parallel degree; each RMSNorm keeps its input, its normalized value and the tensor the next
+    matmuls read (all-gathered, whole, under sequence parallelism); attention keeps q, k, v and its output (the
+    output projection reads that same storage); the SwiGLU MLP keeps gate, silu(gate), up and their product.
+    """
+    t, w = layout.tp, widths
+    h, q, kv, i = dims.hidden, dims.q_dim, dims.kv_dim, dims.intermediate
+    if layout.fsdp and layout.dtype != "float32":
+        # NOTE: bf16 input: the norm's fp32 copy of it, its bf16 normalized value, the bf16 matmul input.
+        norm = (w["norm"] + w["matmul"]) * h / t + w["matmul"] * h
+    else:
+        norm = (w["residual"] + w["norm"]) * h / t + w["matmul"] * h
+    attention = w["attention"] * (2 * q + 2 * kv) / t + 4 * dims.heads / t
+    mlp = w["matmul"] * 4 * i / t
+    small = 2 * 4 / t  # the norms' reciprocal square roots, one fp32 per token each
+    per_token_layer = 2 * norm + attention + mlp + small
+    tokens = layout.batch_size * layout.seq_length // layout.cp
+    layer_bytes = per_token_layer * tokens
+    layer_input = w["residual"] * h / t * tokens
+    first, last = 0, dims.layers
+    if layout.pp > 1:
+        layers = stage_layers(dims, layout, coords.pp)
+        first, last = layers.start, layers.stop
+    num_layers = last - first
+    is_last_stage = coords.pp == layout.pp - 1
+    # NOTE: under TP the embedding's output is whole (Replicate); layer 0 keeps a slice of it, a view that keeps
+    # the whole storage alive.
+    embedding = (w["residual"] * h * (1 - 1 / t) * tokens) if first == 0 and t > 1 else 0
+    final_norm = norm * tokens if is_last_stage else 0
+    vocab_local = dims.vocab / t
+    # NOTE: the loss keeps log_softmax's fp32 output; its backward holds two more fp32 logits-sized tensors, and
+    # loss_parallel's (DTensor's cross-entropy of split logits) three, measured on CPUs.
+    loss_saved = w["loss"] * vocab_local * tokens if is_last_stage else 0
+    loss_backward = (3 if t > 1 else 2) * w["loss"] * vocab_local * tokens if is_last_stage else 0
+    rotary = 2 * w["residual"] * layout.seq_length // layout.cp * dims.head_dim
+    in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
+    if layout.activation_checkpointing:
+        saved_layers = num_layers * layer_input
+    else:
+        saved_layers = num_layers * layer_bytes
+    saved = (saved_layers + embedding + rotary) * in_flight + final_norm + loss_saved
+    return {"saved_bytes": saved, "layer_bytes": layer_bytes, "layer_input_bytes": layer_input,
+            "num_layers": num_layers, "loss_saved_bytes": loss_saved, "loss_backward_bytes": loss_backward,
+            "final_norm_bytes": final_norm, "in_flight": in_flight,
+            "largest_layer_tensor_bytes": max(w["matmul"] * i / t, w["residual"] * h) * tokens, "tokens": tokens}
+
+
+@dataclass
+class Group:
+    """An FSDP group (or, without FSDP, the whole model as one): what a step gathers and reduces of it."""
+
+    name: str
+    layer: int | None
+    full_bytes: int = 0         # the unsharded parameters in the compute dtype, on this rank (its tp slice)
+    padded_numel: int = 0       # what the all-gather and reduce-scatter carry, dim 0 padded
+    grad_full_bytes: int = 0    # the unsharded gradients in the compute dtype
+    reshard_after_forward: bool = True
+    params: list = field(default_factory=list)
+
+
+def fsdp_groups(parameters, dims, layout, coords):
+    """Chapter 04's groups (one per decoder layer, the root with the rest), or chapter 05's with --split-root-group."""
+    widths = byte_widths(layout)
+    groups = {}
+    for param in parameters:
+        if not on_this_stage(param, dims, layout, coords.pp):
+            continue
+        if param.layer is not None:
+            key = f"layer {param.layer}"
+        elif layout.split_root_group and param.role == "embedding" and not dims.tied:
+            key = "embedding"
+        elif layout.split_root_group:
+            key = "norm and head"
+        else:
+            key = "root"
+        group = groups.setdefault(key, Group(key, param.layer))
+        local, grad = tp_local_shape(param, layout, coords)
+        group.params.append(param)
+        group.full_bytes += widths["weights"] * numel(local)
+        group.grad_full_bytes += widths["grads"] * numel(grad)
+        group.padded_numel += fsdp_padded_numel(local, layout) if layout.fsdp else numel(local)
+    layers = [g for g in groups.values() if g.layer is not None]
+    if layers:
+        last = max(layers, key=lambda g: g.layer)
+        last.reshard_after_forward = False
+    for name in ("root", "norm and head"):
+        if name in groups:
+            groups[name].reshard_after_forward = False
+    return groups
+
+
+def gathered_weights(groups, layout):
+    """FSDP's whole weights in the compute dtype at a time: the largest layer and the next one, prefetched, and
+    the groups kept gathered from forward to backward (chapter 04's root group). Zero without FSDP."""
+    if not layout.fsdp:
+        return 0
+    layers = sorted((g.full_bytes for g in groups.values() if g.layer is not None), reverse=True)
+    kept = sum(g.full_bytes for g in groups.values() if g.layer is None and not g.reshard_after_forward)
+    return sum(layers[:2]) + kept
+
+
+def simulate_step(state, activations, groups, dims, layout, widths):
+    """The most memory a step holds above what it held when it started, from a walk through its phases.
+
+    The phases: the start of backward (everything forward saved, the loss's gradients, the groups still
+    gathered); the backward of each decoder layer, last first (the activations of the layers before it, its
+    own, recomputed with activation checkpointing, its gathered weights and the next one's prefetched, its
+    unsharded gradients and the reduce-scatter's fp32 buffer, the gradients of the layers done so far); the end of
+    backward (every gradient). The few constants below that are not sizes of tensors were measured on CPUs with
+    tools/measure_step.py; the tests hold the result within 15% of the measured peak.
+    """
+    fsdp = layout.fsdp
+    # NOTE: DDP's gradients are views into its buckets, allocated when the model is wrapped: they exist before
+    # the step. Every other chapter frees them after the optimizer step (zero_grad(set_to_none=True)).
+    grads_exist_at_start = layout.dp > 1 and not fsdp and not layout.zero2
+    layer_groups = sorted((g for g in groups.values() if g.layer is not None), key=lambda g: g.layer)
+    other_groups = [g for g in groups.values() if g.layer is None]
+    kept_gathered = sum(g.full_bytes for g in groups.values() if fsdp and not g.reshard_after_forward)
+
+    def sharded_grad(group):
+        if not fsdp:
+            return group.grad_full_bytes * 4 // widths["grads"]
+        return 4 * group.padded_numel // layout.fsdp_shards
+
+    phases = {}
+    saved = activations["saved_bytes"]
+    phases["start of backward"] = saved + activations["loss_backward_bytes"] + kept_gathered
+    grads_done = 0 if grads_exist_at_start else head_gradients(other_groups, layout, widths)
+    layer_activations = activations["layer_bytes"] * activations["in_flight"]
+    kept = activations["layer_input_bytes"] if layout.activation_checkpointing else layer_activations
+    # NOTE: a layer recomputed under activation checkpointing holds about a quarter more than its saved tensors
+    # while its backward runs (the recomputed forward's outputs), measured on CPUs.
+    own = layer_activations * (1.25 if layout.activation_checkpointing else 1.0)
+    flowing = 3 * activations["largest_layer_tensor_bytes"]
+    down_grad = widths["grads"] * dims.hidden * dims.intermediate / layout.tp
+    embedding_group = groups.get("embedding")
+    for position, group in enumerate(reversed(layer_groups)):
+        below = len(layer_groups) - 1 - position
+        live_below = below * kept
+        gathered = 0
+        if fsdp:
+            # NOTE: this layer's weights, the next layer's prefetched (the embedding's, after layer 0, when it is a
+            # group of its own), and any group kept whole for the step (chapter 04's root group).
+            prefetched = layer_groups[below - 1] if below > 0 else embedding_group
+            gathered = group.full_bytes + (prefetched.full_bytes if prefetched else 0)
+            gathered += sum(g.full_bytes for g in other_groups if not g.reshard_after_forward and g.name == "root")
+        # In the middle of the layer's backward: its activations, the gradients flowing through it, the first
+        # weight gradient (the MLP's down projection).
+        middle = live_below + own + flowing + down_grad + gathered + grads_done
+        # At its end: its whole gradients (with FSDP, unsharded, copied into the reduce-scatter's fp32 buffer).
+        if fsdp:
+            # NOTE: measured on CPUs: the layer's gathered weights are still there while its gradients are copied
+            # into the reduce-scatter's buffer.
+            end = (live_below + group.grad_full_bytes + 4 * group.padded_numel * (1 + 1 / layout.fsdp_shards)
+                   + gathered + grads_done)
+        else:
+            end = live_below + (0 if grads_exist_at_start else group.grad_full_bytes) + grads_done + flowing / 3
+        phases[f"backward of layer {group.layer}"] = max(middle, end)
+        grads_done += 0 if grads_exist_at_start else sharded_grad(group)
+    # The end of backward: every gradient, and the one arriving at the embedding (whole under TP); with FSDP the
+    # last group's unsharded gradients and its reduce-scatter buffers (chapter 04's root group, chapter 05's
+    # embedding).
+    into_embedding = widths["residual"] * dims.hidden * activations["tokens"]
+    if fsdp:
+        last = groups.get("embedding") or groups.get("root")
+        if last is not None:
+            others = sum(sharded_grad(g) for g in groups.values() if g is not last)
+            phases["end of backward"] = (others + last.grad_full_bytes
+                                         + 4 * last.padded_numel * (1 + 1 / layout.fsdp_shards) + into_embedding)
+    elif not grads_exist_at_start:
+        phases["end of backward"] = state["grads_bytes"] + into_embedding
+    phase, above_start = max(phases.items(), key=lambda item: item[1])
+    at_start = (state["params_bytes"] + state["optimizer_bytes"]
+                + (state["grads_bytes"] if grads_exist_at_start else 0))
+    transient = above_start - saved
+    return {"above_start_bytes": round(above_start), "transient_bytes": round(transient),
+            "peak_bytes": round(at_start + above_start), "phase": phase}
+
+
+def head_gradients(other_groups, layout, widths):
+    """The gradients of the final norm and the output head, which backward computes first, as they wait for the
+    decoder layers' backward: whole, until the end of backward, in chapter 04's root group (reduce-scattered with
+    the embedding's); already sharded in chapter 05's group of their own; whole, in fp32, without FSDP. The
+    embedding's gradient comes last."""
+    total = 0
+    coords = rank_coordinates(layout)
+    for group in other_groups:
+        for param in group.params:
+            if param.role == "embedding":
+                continue
+            local, grad = tp_local_shape(param, layout, coords)
+            if not layout.fsdp:
+                total += 4 * numel(grad)
+            elif group.reshard_after_forward or group.name != "root":
+                total += 4 * fsdp_padded_numel(local, layout) // layout.fsdp_shards
+            else:
+                total += widths["grads"] * numel(local)
+    return total
+
+
+def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes=0):
+    """Bytes this rank sends per step, per process group, by kind of collective (the convention of measure_step)."""
+    comm = {}
+
+    def add(group_name, group_size, kind, buffer_bytes, calls=1):
+        if group_size <= 1 or buffer_bytes == 0:
+            return
+        entry = comm.setdefault(group_name, {"group_size": group_size, "sent_bytes": 0.0, "collectives": {}})
+        sent = bytes_sent(kind, buffer_bytes, group_size) * calls
+        counts = entry["collectives"].setdefault(kind, {"calls": 0, "buffer_bytes": 0, "sent_bytes": 0.0})
+        counts["calls"] += calls
+        counts["buffer_bytes"] += buffer_bytes * calls
+        counts["sent_bytes"] += sent
+        entry["sent_bytes"] += sent
+
+    micro_batches = layout.grad_accum
+    stage_parameters = [p for p in parameters if on_this_stage(p, dims, layout, coords.pp)]
+    local_numel = sum(numel(tp_local_shape(p, layout, coords)[0]) for p in stage_parameters)
+    data_parallel = layout.dp * layout.cp  # NOTE: context-parallel ranks hold the same weights, like data-parallel ones
+    if layout.fsdp:
+        shard_group = layout.fsdp_shards
+        for group in groups.values():
+            gathered = widths["weights"] * group.padded_numel
+            gathers = 1 + group.reshard_after_forward
+            add("dp (FSDP)", shard_group, "all_gather", gathered, calls=gathers * micro_batches)
+            add("dp (FSDP)", shard_group, "reduce_scatter", 4 * group.padded_numel, calls=micro_batches)
+            add("dp replicas (HSDP)", layout.dp_replicate, "all_reduce", 4 * group.padded_numel // shard_group,
+                calls=micro_batches)
+        # NOTE: clip_grad_norm_ all-reduces the stacked partial norms of the parameters, one fp32 number each.
+        add("dp (FSDP)", shard_group, "all_reduce", 4 * len(stage_parameters))
+    else:
+        # NOTE: DDP all-reduces the fp32 gradients once per step (no_sync() skips the other micro-batches).
+        add("dp (DDP)", data_parallel, "all_reduce", 4 * local_numel)
+        # NOTE: and broadcasts rank 0's buffers (the rotary frequencies) at every forward.
+        add("dp (DDP)", data_parallel, "broadcast", buffer_bytes, calls=micro_batches)
+        if layout.zero1 or layout.zero2:
+            # NOTE: ZeroRedundancyOptimizer broadcasts each rank's updated parameters to the others.
+            add("dp (DDP)", data_parallel, "broadcast", 4 * local_numel)
+    if layout.tp > 1:
+        tensor_parallel_collectives(add, dims, layout, coords, parameters, widths, micro_batches)
+    if layout.cp > 1:
+        tokens = layout.batch_size * layout.seq_length // layout.cp
+        kv_bytes = 2 * widths["attention"] * dims.kv_dim / layout.tp * tokens * layout.cp
+        num_layers = len(stage_layers(dims, layout, coords.pp))
+        # NOTE: ring attention passes every rank's keys and values around the ring in forward and again in
+        # backward, and their gradients back: K and V gathered twice, their gradients reduce-scattered once, per
+        # layer (torch's context_parallel, rotation "allgather"). Textbook: chapter 09 will check it.
+        add("cp (ring attention)", layout.cp, "all_gather", kv_bytes, calls=2 * num_layers * micro_batches)
+        add("cp (ring attention)", layout.cp, "reduce_scatter", kv_bytes, calls=num_layers * micro_batches)
+    if layout.pp > 1:
+        tokens = layout.batch_size * layout.seq_length // layout.cp
+        boundary = widths["residual"] * dims.hidden / layout.tp * tokens
+        sends = (coords.pp < layout.pp - 1) + (coords.pp > 0)  # activations forward, their gradients backward
+        add("pp (stage to stage)", 2, "send", boundary, calls=sends * micro_batches)
+    return comm
+
+
+def tensor_parallel_collectives(add, dims, layout, coords, parameters, widths, micro_batches):
+    """Chapter 06's collectives per micro-batch, each of a (batch, sequence, hidden) activation.
+
+    Per decoder layer, forward: all-gather of the norm's output before attention and before the MLP, and a
+    reduce-scatter of each block's output (row-wise partial sums); backward: the same four the other way round.
+    The gathered tensors are the norms' outputs (residual dtype); the reduced ones come out of matmuls.
+    """
+    t = layout.tp
+    tokens = layout.batch_size * layout.seq_length // layout.cp
+    activation = dims.hidden * tokens
+    residual, matmul = widths["residual"], widths["matmul"]
+    num_layers = len(stage_layers(dims, layout, coords.pp))
+    gathered = residual * activation
+    reduced = matmul * activation
+    per_layer = [("all_gather", gathered, 2), ("reduce_scatter", reduced, 2),      # forward
+                 ("reduce_scatter", gathered, 2), ("all_gather", reduced, 2)]      # backward
+    for kind, buffer_bytes, calls in per_layer:
+        add("tp", t, kind, buffer_bytes, calls=calls * num_layers * micro_batches)
+    first_stage, last_stage = coords.pp == 0, coords.pp == layout.pp - 1
+    if first_stage:
+        # NOTE: the embedding's partial lookups are summed whole (Replicate), in the embedding's dtype; in backward
+        # layer 0's input slice is all-gathered back.
+        add("tp", t, "all_reduce", widths["weights"] * activation, calls=micro_batches)
+        add("tp", t, "all_gather", gathered, calls=micro_batches)
+    if last_stage:
+        # NOTE: the head reads the final norm's output whole: all-gathered in forward, reduce-scattered in backward.
+        add("tp", t, "all_gather", gathered, calls=micro_batches)
+        add("tp", t, "reduce_scatter", gathered, calls=micro_batches)
+        # NOTE: loss_parallel: the logits' maximum and sum of exponentials per token, and the loss.
+        add("tp", t, "all_reduce", 4 * tokens, calls=3 * micro_batches)
+    # NOTE: the norms' gradients are Partial: all-reduced by clip_grad_norm_, and without FSDP three times more by
+    # AdamW, once per use of the gradient. clip_grad_norm_ then all-reduces the stacked norms, one number each.
+    stage_parameters = [p for p in parameters if on_this_stage(p, dims, layout, coords.pp)]
+    norm_bytes = sum(4 * numel(p.shape) for p in stage_parameters if p.role == "norm")
+    add("tp", t, "all_reduce", norm_bytes, calls=1 if layout.fsdp else 4)
+    add("tp", t, "all_reduce", 4 * len(stage_parameters))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output
+
+
+def print_estimate(estimate, bandwidths):
+    layout = estimate["layout"]
+    flags = describe_layout(layout)
+    print(f"{estimate['model']}: {estimate['num_parameters'] / 1e9:.3g}B parameters; {flags}; world size "
+          f"{estimate['world_size']}; rank {layout['rank']}")
+    print(f"micro-batch {layout['batch_size']} x {layout['seq_length']} tokens, {layout['dtype']}")
+    rows = [("parameters", estimate["params_bytes"]), ("gradients", estimate["grads_bytes"]),
+            ("optimizer state (AdamW)", estimate["optimizer_bytes"]),
+            ("activations (saved for backward)", estimate["activations_bytes"]),
+            ("FSDP's gathered weights (2 layers + groups kept whole)", estimate["gathered_weights_bytes"]),
+            (f"transient at the peak ({estimate['peak_phase']})", estimate["transient_bytes"]),
+            ("peak", estimate["peak_bytes"])]
+    if estimate["cpu_bytes"]:
+        rows.insert(3, ("in CPU memory (offloaded state)", estimate["cpu_bytes"]))
+    for name, value in rows:
+        print(f"  {name:58s} {format_bytes(value):>12s}")
+    print("  (transient: gathered weights, unsharded gradients and the loss's gradients at the step's peak)")
+    print(f"communication per step, sent by this GPU: {format_bytes(estimate['comm_bytes_per_step'])}")
+    for group_name, group in estimate["comm_by_group"].items():
+        times = ", ".join(f"{group['sent_bytes'] / (gbs * 1e9) * 1e3:,.1f} ms at {gbs:g} GB/s" for gbs in bandwidths)
+        kinds = ", ".join(f"{kind} {format_bytes(c['sent_bytes'])}" for kind, c in group["collectives"].items())
+        print(f"  {group_name} ({group['group_size']} GPUs): {format_bytes(group['sent_bytes'])} ({kinds}); {times}")
+
+
+def describe_layout(layout):
+    parts = []
+    if layout["dp"] > 1:
+        kind = "FSDP" if layout["fsdp"] else "ZeRO-1" if layout["zero1"] else "ZeRO-2" if layout["zero2"] else "DDP"
+        parts.append(f"{kind} {layout['dp']}" + (f" ({layout['dp_replicate']} replicas)"
+                                                  if layout["dp_replicate"] > 1 else ""))
+    for name in ("tp", "pp", "cp"):
+        if layout[name] > 1:
+            parts.append(f"{name.upper()} {layout[name]}")
+    for name in ("activation_checkpointing", "cpu_offload", "split_root_group"):
+        if layout[name]:
+            parts.append(name.replace("_", " "))
+    return ", ".join(parts) or "one GPU"
+
+
+def format_bytes(value):
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(value) >= size:
+            return f"{value / size:,.2f} {unit}"
+    return f"{value:,.0f} B"
+
+
+if __name__ == "__main__":
+    main()

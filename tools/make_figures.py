@@ -1,0 +1,458 @@
+"""Regenerate every figure in the READMEs from real CPU runs of the chapters, and the tables the READMEs draw from
+tools/estimate_memory.py:
+
+    python tools/make_figures.py            # all figures into docs/figures/ and all tables into the READMEs
+    python tools/make_figures.py --tables   # only the tables (seconds; nothing is trained)
+    python tools/make_figures.py --fast     # few steps, into a temporary folder (what the tests run)
+
+The figures, and the runs each one is drawn from (the tables below list them; a new chapter adds its runs there):
+
+    parity.png                  chapter 01's loss curve with every other chapter's on top, same global batch
+    memory_per_rank.png         parameters, gradients and optimizer state held per rank by DDP, ZeRO-1 and FSDP
+                                at 1, 2 and 4 ranks (tools/measure_step.py), against 16, 8 + 8/N and 16/N bytes
+    lr_schedule.png             the learning rate chapter 01 logs, step by step, against its formula
+    activation_checkpointing.png  the peak of a step above the model state, chapter 05 with and without
+                                --activation-checkpointing, measured and estimated; and the estimate for 405B
+
+Everything runs on the CPU with the bundled tiny model and corpus; a full run took 32 minutes on 2 busy cores
+(--reuse redraws from the runs a previous call left in --work-dir, in seconds).
+"""
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = REPO / "tools"
+FIGURES = REPO / "docs" / "figures"
+sys.path.insert(0, str(TOOLS))
+import estimate_memory  # noqa: E402
+import plot_runs  # noqa: E402
+from measure_step import read_measurements  # noqa: E402
+
+CHAPTERS = {
+    "01": "01-single-gpu",
+    "02": "02-distributed-data-parallel",
+    "04": "04-fully-sharded-data-parallel",
+    "05": "05-training-llama-405b",
+    "06": "06-tensor-parallel",
+    "07": "07-2d-parallel",
+}
+COMMON = ["--seq-length", "64", "--log-freq", "1", "--ckpt-freq", "100000", "--warmup-steps", "5",
+          "--num-workers", "0", "--wandb-mode", "disabled"]
+
+# The parity figure: every run trains the same global batch of 4 sequences, from the same seeded weights, so every
+# curve should be chapter 01's. (label, chapter, processes or None for one plain process, flags). Chapters 08 and 09
+# add a line each here, e.g. ("08 pipeline, 2 stages", "08", 2, ["--batch-size", "4"]).
+PARITY_RUNS = [
+    ("01, one process, batch 4", "01", None, ["--batch-size", "4"]),
+    ("02 DDP, 2 ranks x 2", "02", 2, ["--batch-size", "2"]),
+    ("04 FSDP, 2 ranks x 2", "04", 2, ["--batch-size", "2"]),
+    ("06 TP 2, batch 4", "06", 2, ["--batch-size", "4"]),
+    ("07 dp 2 x tp 2, 2 per dp rank", "07", 4, ["--batch-size", "2", "--tp", "2"]),
+]
+# The memory figure: (label, chapter, flags, the estimator's layout for N ranks, bytes per parameter at N ranks).
+MEMORY_RUNS = [
+    ("DDP", "02", [], lambda n: {"dp": n}, lambda n: 16),
+    ("ZeRO-1", "02", ["--zero1"], lambda n: {"dp": n, "zero1": True}, lambda n: 8 + 8 / n),
+    ("FSDP", "04", [], lambda n: {"dp": n, "fsdp": True}, lambda n: 16 / n),
+]
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description="Regenerate the READMEs' figures from CPU runs of the chapters (docs/figures/*.png) and their "
+                    "tables from tools/estimate_memory.py.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--fast", action="store_true",
+                        help="3 steps, two parity runs, one process per run otherwise, all in a temporary folder: "
+                             "a check of the tool, not the figures")
+    parser.add_argument("--tables", action="store_true", help="only rewrite the README tables (no training)")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="where the figures go (default: docs/figures, or a temporary folder with --fast)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="where the runs go (default: a temporary folder)")
+    parser.add_argument("--only", nargs="+", choices=list(FIGURE_MAKERS), help="make only these figures")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the runs a previous call left in --work-dir instead of training again")
+    args = parser.parse_args()
+    if args.tables:
+        changed = write_readme_tables()
+        print(f"tables: {', '.join(changed) if changed else 'all up to date'}")
+        return
+    work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="make-figures-"))
+    out_dir = args.out_dir or (work_dir / "figures" if args.fast else FIGURES)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runner = Runner(work_dir, fast=args.fast, reuse=args.reuse)
+    for name in args.only or FIGURE_MAKERS:
+        started = time.perf_counter()
+        path = FIGURE_MAKERS[name](runner, out_dir)
+        print(f"wrote {path} ({time.perf_counter() - started:.0f}s)", flush=True)
+    if not args.fast and not args.out_dir:
+        changed = write_readme_tables(runner)
+        print(f"tables: {', '.join(changed) if changed else 'all up to date'}")
+
+
+class Runner:
+    """Runs chapters' scripts on the CPU, each in a folder of its own, and stops with the log tail if one fails."""
+
+    def __init__(self, work_dir, fast, reuse=False):
+        self.work_dir = Path(work_dir)
+        self.fast = fast
+        self.reuse = reuse
+        self.measured = {}  # (label, world size): rank 0's measurement, for the tables drawn from runs
+        self.env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+    def train(self, name, chapter, nproc, args, measure=False):
+        """Train; returns the experiment folder (and, with measure=True, the measurements of every rank)."""
+        experiment = self.work_dir / "outputs" / name
+        measured_dir = self.work_dir / "measured" / name
+        if self.reuse and (experiment / "metrics.jsonl").exists() and (not measure or measured_dir.exists()):
+            return (experiment, read_measurements(measured_dir)) if measure else experiment
+        shutil.rmtree(experiment, ignore_errors=True)
+        launcher = [sys.executable] if nproc is None else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        if measure:
+            shutil.rmtree(measured_dir, ignore_errors=True)
+            launcher = [*launcher, str(TOOLS / "measure_step.py"), "--out", str(measured_dir)]
+        script = REPO / CHAPTERS[chapter] / "train_llm.py"
+        command = [*launcher, str(script), *COMMON, *args, "--save-dir", str(self.work_dir / "outputs"), "-e", name]
+        log = self.work_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as log_file:
+            result = subprocess.run(command, cwd=self.work_dir, env=self.env, stdout=log_file,
+                                    stderr=subprocess.STDOUT, timeout=1800)
+        if result.returncode != 0:
+            tail = "\n".join(log.read_text().splitlines()[-30:])
+            raise SystemExit(f"error: {' '.join(command)} failed (exit {result.returncode}); its log {log} ends:\n{tail}")
+        return (experiment, read_measurements(measured_dir)) if measure else experiment
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The figures
+
+
+def make_parity(runner, out_dir):
+    steps = 3 if runner.fast else 100
+    runs = []
+    for index, (label, chapter, nproc, args) in enumerate(PARITY_RUNS[:2] if runner.fast else PARITY_RUNS):
+        experiment = runner.train(f"parity-{index}-{chapter}", chapter, nproc, [*args, "--max-steps", str(steps)])
+        runs.append((label, plot_runs.read_metrics(experiment)))
+    worst = max(abs(a["loss"] - b["loss"]) for _, records in runs[1:] for a, b in zip(runs[0][1], records))
+    figure = plot_runs.plot_runs(runs, ["loss", "difference"], width=7.5,
+                                 title=f"Every chapter trains chapter 01's loss curve\n{steps} steps of the same "
+                                       f"global batch (4 x 64 tokens), fp32 on CPUs; largest difference {worst:.1e}")
+    return save(figure, out_dir / "parity.png")
+
+
+def make_memory_per_rank(runner, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    world_sizes = [1] if runner.fast else [1, 2, 4]
+    config = estimate_memory.load_config(REPO / "data" / "tiny-llama")
+    num_params = estimate_memory.estimate_step(config, estimate_memory.Layout())["num_parameters"]
+    figure, axes = plt.subplots(1, len(MEMORY_RUNS), figsize=(10, 3.8), sharey=True)
+    colours = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868"}
+    for ax, (label, chapter, flags, layout, bytes_per_param) in zip(axes, MEMORY_RUNS):
+        for world_size in world_sizes:
+            args = [*flags, "--max-steps", "1", "--batch-size", "1"]
+            _, measurements = runner.train(f"memory-{label}-{world_size}", chapter, world_size, args, measure=True)
+            held = measurements[0]["memory_held"]
+            runner.measured[label, world_size] = measurements[0]
+            estimate = estimate_memory.estimate_step(config, estimate_memory.Layout(dtype="float32",
+                                                                                    **layout(world_size)))
+            if (held["parameters"], held["gradients"], held["optimizer_state"]) != (
+                    estimate["params_bytes"], estimate["grads_bytes"], estimate["optimizer_bytes"]):
+                raise SystemExit(f"error: {label} on {world_size} ranks holds {held}, tools/estimate_memory.py "
+                                 f"says {estimate['params_bytes']}, {estimate['grads_bytes']}, "
+                                 f"{estimate['optimizer_bytes']}: one of them is wrong")
+            bottom = 0.0
+            for kind, colour in colours.items():
+                ax.bar(world_size, held[kind] / 1e6, bottom=bottom, width=0.6, color=colour,
+                       label=kind.replace("_", " ") if world_size == world_sizes[0] else None)
+                bottom += held[kind] / 1e6
+        line_x = [1 + x / 10 for x in range(10 * (world_sizes[-1] - 1) + 3)]
+        ax.plot(line_x, [bytes_per_param(x) * num_params / 1e6 for x in line_x], color="black", linewidth=1.2)
+        ax.set_title(f"{label} (chapter {chapter})\n{bytes_per_param_label(label)}", fontsize="medium")
+        ax.set_xticks(world_sizes)
+        ax.set_xlabel("ranks N")
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].set_ylabel("MB held by rank 0 after a step")
+    handles, labels = axes[0].get_legend_handles_labels()
+    theory = f"bytes per parameter x {num_params / 1e6:.2f}M parameters (the text)"
+    figure.legend([*handles, plt.Line2D([], [], color="black")], [*labels, theory], loc="lower center", ncol=4,
+                  fontsize="small", frameon=False)
+    figure.suptitle(f"What each rank holds of the {num_params / 1e6:.2f}M-parameter tiny Llama, measured (fp32)",
+                    fontsize="medium")
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
+    return save(figure, out_dir / "memory_per_rank.png")
+
+
+def bytes_per_param_label(label):
+    return {"DDP": "16 bytes/parameter", "ZeRO-1": "8 + 8/N bytes/parameter", "FSDP": "16/N bytes/parameter"}[label]
+
+
+def make_lr_schedule(runner, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, warmup = (20, 4) if runner.fast else (200, 20)
+    experiment = runner.train("lr-schedule", "01", None, ["--max-steps", str(steps), "--warmup-steps", str(warmup),
+                                                          "--batch-size", "1", "--seq-length", "16"])
+    records = plot_runs.read_metrics(experiment)
+    chapter01 = load_chapter_module("01")
+    peak_lr = 1e-3
+    # NOTE: the lr logged at step s is the one after that step's scheduler update, factor(s): the next step's.
+    formula = [peak_lr * chapter01.warmup_cosine_lr_factor(step, warmup, steps) for step in range(1, steps + 1)]
+    figure, ax = plt.subplots(figsize=(7, 3.2))
+    ax.plot(range(1, steps + 1), formula, color="black", linewidth=1, label="warmup_cosine_lr_factor(step) x --lr")
+    ax.plot([r["step"] for r in records], [r["lr"] for r in records], "o", markersize=3, color="#dd8452",
+            label="lr logged in metrics.jsonl", markevery=max(1, steps // 50))
+    ax.axvline(warmup, color="grey", linestyle=":", linewidth=1)
+    ax.annotate(f"end of warm-up (step {warmup})", (warmup, peak_lr), xytext=(6, -14), textcoords="offset points",
+                fontsize="small")
+    ax.set_xlabel("step")
+    ax.set_ylabel("learning rate")
+    ax.set_title(f"Chapter 01's learning rate: warm-up over {warmup} steps, cosine to --lr / 10 at step {steps}",
+                 fontsize="medium")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize="small")
+    figure.tight_layout()
+    return save(figure, out_dir / "lr_schedule.png")
+
+
+def make_activation_checkpointing(runner, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seq_lengths = [64] if runner.fast else [64, 128, 256, 512]
+    config = estimate_memory.load_config(REPO / "data" / "tiny-llama")
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10.5, 3.8))
+    for checkpointing, colour in [(False, "#c44e52"), (True, "#4c72b0")]:
+        measured, estimated = [], []
+        for seq_length in seq_lengths:
+            flags = ["--max-steps", "1", "--batch-size", "2", "--seq-length", str(seq_length)]
+            flags += ["--activation-checkpointing"] if checkpointing else []
+            name = f"activations-{seq_length}{'-checkpointing' if checkpointing else ''}"
+            _, measurements = runner.train(name, "05", None, flags, measure=True)
+            measured.append(measurements[0]["steps"][0]["peak_live_bytes_above_start"] / 1e6)
+            layout = estimate_memory.Layout(fsdp=True, split_root_group=True, activation_checkpointing=checkpointing,
+                                            batch_size=2, seq_length=seq_length, dtype="float32")
+            estimated.append(estimate_memory.estimate_step(config, layout)["step_peak_above_start_bytes"] / 1e6)
+        label = "with" if checkpointing else "without"
+        left.plot(seq_lengths, measured, "o-", color=colour, label=f"{label} checkpointing, measured")
+        left.plot(seq_lengths, estimated, "x--", color=colour, label=f"{label}, tools/estimate_memory.py")
+        big = estimate_memory.load_config(REPO / "data" / "configs" / "llama-3.1-405b")
+        lengths = [512, 1024, 2048, 4096, 8192]
+        activations = [estimate_memory.estimate_step(big, estimate_memory.Layout(
+            fsdp=True, dp=64, split_root_group=True, activation_checkpointing=checkpointing, batch_size=1,
+            seq_length=length, dtype="bfloat16"))["activations_bytes"] / 1e9 for length in lengths]
+        right.plot(lengths, activations, "o-", color=colour, label=f"{label} checkpointing")
+    left.set_xscale("log", base=2)
+    left.set_xticks(seq_lengths, [str(s) for s in seq_lengths])
+    left.set_xlabel("--seq-length (batch 2)")
+    left.set_ylabel("MB above the model state")
+    left.set_title("Chapter 05, tiny Llama, fp32 on a CPU:\npeak of a step above the model state", fontsize="medium")
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xticks(lengths, [f"{s:,}" for s in lengths])
+    right.set_xlabel("--seq-length (batch 1)")
+    right.set_ylabel("GB per GPU")
+    right.set_title("Llama 3.1 405B, bf16 (estimate): activations\nsaved for backward, per GPU", fontsize="medium")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    figure.tight_layout()
+    return save(figure, out_dir / "activation_checkpointing.png")
+
+
+FIGURE_MAKERS = {
+    "parity": make_parity,
+    "memory_per_rank": make_memory_per_rank,
+    "lr_schedule": make_lr_schedule,
+    "activation_checkpointing": make_activation_checkpointing,
+}
+
+
+def save(figure, path):
+    plot_runs.save_figure(figure, path, dpi=100)
+    return path
+
+
+def load_chapter_module(chapter):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"train_llm_{chapter}", REPO / CHAPTERS[chapter] / "train_llm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The README tables, from tools/estimate_memory.py
+
+
+def gigabytes(value):
+    """1,623 GB, 635 GB, 101.5 GB, 5.1 GB: whole gigabytes from a thousand up, else one decimal (not .0)."""
+    if value >= 1e12:
+        return f"{value / 1e9:,.0f} GB"
+    return f"{value / 1e9:,.1f}".removesuffix(".0") + " GB"
+
+
+def table_04_zero_stages():
+    """Chapter 04: per GPU on 8 GPUs, Llama-3.1-8B and -70B, for DDP, the ZeRO stages and FSDP, and FSDP's
+    transient gathered weights."""
+    models = {name: estimate_memory.load_config(REPO / "data" / "configs" / name)
+              for name in ("llama-3.1-8b", "llama-3.1-70b")}
+    rows = [("DDP", {}), ("ZeRO-1", {"zero1": True}), ("ZeRO-2", {"zero2": True}), ("FSDP (ZeRO-3)", {"fsdp": True})]
+    lines = ["| per GPU, 8 GPUs | bytes per parameter | Llama-3.1-8B | Llama-3.1-70B |", "| --- | --- | --- | --- |"]
+    for label, flags in rows:
+        cells = []
+        for config in models.values():
+            estimate = estimate_memory.estimate_step(config, estimate_memory.Layout(dp=8, dtype="bfloat16", **flags))
+            state = estimate["params_bytes"] + estimate["grads_bytes"] + estimate["optimizer_bytes"]
+            cells.append(gigabytes(state))
+            per_param = state / estimate["num_parameters"]
+        lines.append(f"| {label} | {per_param:.3g} | {' | '.join(cells)} |")
+    layer, root = [], []
+    for config in models.values():
+        groups = estimate_memory.fsdp_groups(estimate_memory.model_parameters(config),
+                                             estimate_memory.model_dimensions(config),
+                                             estimate_memory.Layout(dp=8, fsdp=True, dtype="bfloat16"),
+                                             estimate_memory.rank_coordinates(estimate_memory.Layout(dp=8, fsdp=True)))
+        layer.append(f"{groups['layer 0'].full_bytes / 1e9:.2f} GB a layer")
+        root.append(f"{groups['root'].full_bytes / 1e9:.1f} GB")
+    lines.append(f"| + FSDP's transient bf16 weights: one decoder layer (two while the next one is prefetched) | | "
+                 f"{' | '.join(layer)} |")
+    lines.append(f"| + the root group (embeddings and output head, gathered from forward to backward) | | "
+                 f"{' | '.join(root)} |")
+    return "\n".join(lines)
+
+
+def table_05_model_state():
+    """Chapter 05: Llama 3.1 405B's model state, in total and per GPU with FSDP on 64, 128 and 320 GPUs."""
+    config = estimate_memory.load_config(REPO / "data" / "configs" / "llama-3.1-405b")
+    sizes = [64, 128, 320]
+    estimates = {n: estimate_memory.estimate_step(config, estimate_memory.Layout(dp=n, fsdp=True, dtype="bfloat16"))
+                 for n in [1, *sizes]}
+    header = ["| | total | " + " | ".join(f"per GPU, N = {n}" + (" (8 nodes)" if n == 64 else "") for n in sizes)
+              + " |", "| --- | --- | " + " | ".join("---" for _ in sizes) + " |"]
+    rows = [("fp32 weights", "params_bytes"), ("fp32 gradients", "grads_bytes"), ("AdamW moments", "optimizer_bytes")]
+    lines = list(header)
+    for label, key in rows:
+        lines.append(f"| {label} | {gigabytes(estimates[1][key])} | "
+                     + " | ".join(gigabytes(estimates[n][key]) for n in sizes) + " |")
+
+    def state(n):
+        return sum(estimates[n][key] for _, key in rows)
+
+    lines.append(f"| **sum (16 bytes per parameter)** | **{gigabytes(state(1))}** | "
+                 + " | ".join(f"**{gigabytes(state(n))}**" for n in sizes) + " |")
+    return "\n".join(lines)
+
+
+def table_05_activations():
+    """Chapter 05: the activations of Llama 3.1 405B per GPU, with and without activation checkpointing."""
+    config = estimate_memory.load_config(REPO / "data" / "configs" / "llama-3.1-405b")
+    lengths = [512, 1024, 2048, 4096, 8192]
+    lines = ["| `--seq-length` (batch 1) | " + " | ".join(f"{n:,}" for n in lengths) + " |",
+             "| --- | " + " | ".join("---" for _ in lengths) + " |"]
+    for label, checkpointing in [("without checkpointing: all 126 layers' activations, and the loss's fp32 logits", False),
+                                 ("with activation checkpointing: the layer inputs, one layer recomputed, the logits",
+                                  True)]:
+        cells = []
+        for length in lengths:
+            layout = estimate_memory.Layout(dp=64, fsdp=True, split_root_group=True, batch_size=1, seq_length=length,
+                                            activation_checkpointing=checkpointing, dtype="bfloat16")
+            estimate = estimate_memory.estimate_step(config, layout)
+            activations = estimate["activations_bytes"]
+            if checkpointing:
+                dims = estimate_memory.model_dimensions(config)
+                coords = estimate_memory.rank_coordinates(layout)
+                widths = estimate_memory.byte_widths(layout)
+                activations += estimate_memory.activation_model(dims, layout, coords, widths)["layer_bytes"]
+            cells.append(gigabytes(activations))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def table_04_measured_communication(runner):
+    """Chapter 04: what rank 0 sent in one step of the memory figure's runs, next to the textbook volumes."""
+    config = estimate_memory.load_config(REPO / "data" / "tiny-llama")
+    parameters = estimate_memory.model_parameters(config)
+    psi = 4 * sum(estimate_memory.numel(p.shape) for p in parameters)
+    last_layer = max(p.layer for p in parameters if p.layer is not None)
+    kept = 4 * sum(estimate_memory.numel(p.shape) for p in parameters if p.layer in (None, last_layer))
+    lines = ["| ranks | chapter 02 (DDP): all-reduce | theory 2Ψ (N-1)/N | chapter 04 (FSDP): all-gather + "
+             "reduce-scatter | theory (3Ψ - kept) (N-1)/N |", "| --- | --- | --- | --- | --- |"]
+    for world_size in sorted({n for label, n in runner.measured if label == "DDP" and n > 1}):
+        def sent(label, kinds):
+            collectives = runner.measured[label, world_size]["steps"][0]["collectives"]
+            return sum(c["sent_bytes"] for key, c in collectives.items() if key.split(" over ")[0] in kinds)
+
+        fraction = (world_size - 1) / world_size
+        lines.append(f"| {world_size} | {sent('DDP', ['all_reduce']) / 1e6:.2f} MB | {2 * psi * fraction / 1e6:.2f} MB | "
+                     f"{sent('FSDP', ['all_gather', 'reduce_scatter']) / 1e6:.2f} MB | "
+                     f"{(3 * psi - kept) * fraction / 1e6:.2f} MB |")
+    return "\n".join(lines)
+
+
+# Tables drawn from the runs of a full make_figures.py run: (README, the function that writes it from the runner).
+MEASURED_TABLES = {
+    "measured-communication": ("04-fully-sharded-data-parallel/README.md", table_04_measured_communication),
+}
+README_TABLES = {
+    # marker name: (README, the function that writes the table)
+    "zero-stages": ("04-fully-sharded-data-parallel/README.md", table_04_zero_stages),
+    "405b-model-state": ("05-training-llama-405b/README.md", table_05_model_state),
+    "405b-activations": ("05-training-llama-405b/README.md", table_05_activations),
+}
+
+
+def readme_tables(runner=None):
+    """{README path: its text with every marked table as the estimator writes it now (and, given the runner of a
+    full run, the tables drawn from its measurements)}."""
+    texts = {}
+    tables = {name: (readme, make_table) for name, (readme, make_table) in README_TABLES.items()}
+    if runner is not None and runner.measured:
+        # NOTE: only from a run that made the memory figure (not with --only parity, say).
+        tables.update({name: (readme, lambda make=make_table: make(runner))
+                       for name, (readme, make_table) in MEASURED_TABLES.items()})
+    for name, (readme, make_table) in tables.items():
+        path = REPO / readme
+        text = texts.get(path, path.read_text())
+        pattern = re.compile(rf"(<!-- table: {name}, written by tools/make_figures\.py -->\n)(.*?)(\n<!-- end of table -->)",
+                             re.DOTALL)
+        if not pattern.search(text):
+            raise SystemExit(f"error: {readme} has no table marked {name!r}; put the table between "
+                             f"'<!-- table: {name}, written by tools/make_figures.py -->' and '<!-- end of table -->'")
+        table = make_table()
+        texts[path] = pattern.sub(lambda match: match.group(1) + table + match.group(3), text)
+    return texts
+
+
+def write_readme_tables(runner=None):
+    changed = []
+    for path, text in readme_tables(runner).items():
+        if path.read_text() != text:
+            path.write_text(text)
+            changed.append(str(path.relative_to(REPO)))
+    return changed
+
+
+if __name__ == "__main__":
+    main()
