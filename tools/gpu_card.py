@@ -135,6 +135,8 @@ def main():
     card = Card(Path(args.out), args)
     print(f"gpu_card: {card.mode} card in {card.out_dir}, budget {args.budget_s or 'none'} s", flush=True)
     scratch_dir = make_scratch_dir(args.scratch, card.mode)
+    # NOTE: stopped from outside (timeout, Ctrl-C), the card stops its runs, keeps what it measured and cleans up.
+    signal.signal(signal.SIGTERM, stop_on_signal)
     try:
         # 1. The machine: versions, GPUs, the matmul ceiling, and the folder of seeded weights for chapter 05.
         environment = run_probe(card, scratch_dir)
@@ -154,6 +156,11 @@ def main():
             else:
                 run_group(card, group)
             card.write()
+    except (KeyboardInterrupt, SystemExit) as stop:
+        if not card.data["stopped"]:
+            card.data["stopped"] = str(stop) or "interrupted"
+            card.write()
+        raise
     finally:
         shutil.rmtree(scratch_dir, ignore_errors=True)
     card.data["finished"] = now_iso()
@@ -163,6 +170,10 @@ def main():
     if failed:
         raise SystemExit(f"error: {len(failed)} run(s) failed or timed out: {', '.join(failed)} "
                          f"(see {card.out_dir / 'card.md'} and the logs)")
+
+
+def stop_on_signal(signum, frame):
+    raise SystemExit(f"error: stopped by signal {signal.Signals(signum).name} before the card was complete")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -700,12 +711,23 @@ def execute(card, runs, on_finished=None):
     active = []
 
     def finished(record):
+        if on_finished:
+            on_finished(record)
         print(f"gpu_card: {record['name']}: {record['status']}"
               f"{' (' + record['error'] + ')' if record.get('error') else ''} in {record['seconds']:.0f}s",
               flush=True)
-        if on_finished:
-            on_finished(record)
 
+    try:
+        wait_for_runs(card, pending, active, records, max_parallel, finished)
+    finally:
+        for process in active:
+            stop_session(process.popen)
+            stop_marked_processes(process.marker)
+    return [records[run.name] for run in runs]
+
+
+def wait_for_runs(card, pending, active, records, max_parallel, finished):
+    """Keep up to max_parallel runs going until every pending run has ended, been skipped or been refused."""
     while pending or active:
         while pending and len(active) < max_parallel:
             run = pending.pop(0)
@@ -729,7 +751,6 @@ def execute(card, runs, on_finished=None):
             if process.poll():
                 active.remove(process)
                 finished(process.record)
-    return [records[run.name] for run in runs]
 
 
 class StartedProcess:
