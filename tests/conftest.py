@@ -1,3 +1,9 @@
+"""Fixtures every test file shares: the session's scratch folder, the environment a chapter's processes run in,
+the training runs several files compare against (chapter 01's reference runs above all), and the tied tiny model.
+
+The helpers that are plain functions (train(), run(), read_losses(), ...) live in helpers.py.
+"""
+
 import json
 import os
 import shutil
@@ -5,7 +11,7 @@ import uuid
 
 import pytest
 
-from helpers import TINY_MODEL, processes_with_marker
+from helpers import TINY_MODEL, SharedRuns, processes_with_marker
 
 
 @pytest.fixture(scope="session")
@@ -50,3 +56,10 @@ def tied_model(session_dir):
         config["tie_word_embeddings"] = True
         (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """The runs several tests compare against, each made once per session when a test first asks for it: chapter
+    01's reference runs, and a chapter's runs that several of its tests read (SharedRuns)."""
+    return SharedRuns(tmp_path_factory.mktemp("runs"))

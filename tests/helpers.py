@@ -143,10 +143,12 @@ def error_line(result):
 
 
 class SharedRuns:
-    """Training runs that several tests of one module compare against: each runs once, when a test first asks for it.
+    """Training runs that several tests compare against: each runs once, when a test first asks for it.
 
-    Use it from a module-scoped fixture. A run is keyed by its chapter, process count and arguments, and runs with
-    the environment of the test that first asks for it, so its processes are over before that test ends.
+    conftest.py's session-scoped `runs` fixture holds one for the whole test session, so a chapter 01 reference run
+    that several test files ask for with the same arguments runs once. A run is keyed by its chapter, process count
+    and arguments, and runs with the environment of the test that first asks for it, so its processes are over
+    before that test ends.
     """
 
     def __init__(self, workdir):

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_seconds, largest_weight_difference, load_script,
+from helpers import (CHAPTERS, REPO, checkpoint_seconds, largest_weight_difference, load_script,
                      max_difference, read_losses, read_metrics, run, script, train, train_with_a_restart)
 
 FAULTS = REPO / "tests" / "faults"
@@ -35,14 +35,8 @@ PARITY_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Chapter 01's reference run and chapter 02's parity runs, shared by the tests of this file."""
-    return SharedRuns(tmp_path_factory.mktemp("runs"))
-
-
 def reference_run(runs, env):
-    return runs.train("01", env, "--max-steps", STEPS, "--batch-size", "4", *NO_WANDB)
+    return runs.train("01", env, "--max-steps", STEPS, *NO_WANDB, "--batch-size", "4")
 
 
 def parity_run(runs, env, case):

@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, SharedRuns, error_line, loss_and_weight_differences, read_losses, run,
+from helpers import (CHAPTERS, FAST_ARGS, REPO, error_line, loss_and_weight_differences, read_losses, run,
                      run_together, script)
 
 CHAPTER = REPO / CHAPTERS["03"]
@@ -32,11 +32,6 @@ FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
 # Seconds a whole launch may take: startup (imports) dominates, and a loaded 2-core machine is slow.
 LAUNCH_TIMEOUT = 600
 START_THE_CLUSTER = 'start the local test cluster first: eval "$(.ci/launchers.sh up /tmp/slurm-state)"'
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return SharedRuns(tmp_path_factory.mktemp("runs"))
 
 
 def reference_run(runs, env):

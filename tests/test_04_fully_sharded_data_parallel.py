@@ -2,7 +2,7 @@
 sharded checkpoints resume exactly, at the same or another world size, survive a crash during a save, and convert
 to a Hugging Face model folder.
 
-The runs several tests compare against are made once per module (SharedRuns). All of them train 10 steps: the
+The runs several tests compare against are made once per session (the `runs` fixture of conftest.py). All of them train 10 steps: the
 learning-rate schedule depends on --max-steps, so runs compare only at the same --max-steps.
 """
 
@@ -15,17 +15,12 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script, logged_parameter_count,
+from helpers import (REPO, TINY_MODEL, checkpoint_weights, error_line, load_script, logged_parameter_count,
                      max_difference, memory_held, read_losses, read_metrics, run, train)
 
 FAULTS = REPO / "tests" / "faults"
 CONVERT = REPO / "04-fully-sharded-data-parallel" / "convert_to_hf.py"
 TEN_STEPS = ["--max-steps", "10", "--wandb-mode", "disabled"]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return SharedRuns(tmp_path_factory.mktemp("chapter04"))
 
 
 @pytest.fixture(scope="module")

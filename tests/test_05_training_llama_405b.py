@@ -4,8 +4,8 @@ activation checkpointing and torch.compile change the memory and the speed but n
 takes precedence over the pretrained weights; CUDA-only features fail clearly on the CPU; the launch and download
 scripts pass what a 405B run needs.
 
-The pretrained model, and the eager run the other features are compared with, are made once per module
-(SharedRuns). `pytest -s` prints the figures.
+The pretrained model, and the eager run the other features are compared with, are made once per session
+(the `runs` fixture of conftest.py). `pytest -s` prints the figures.
 """
 
 import fnmatch
@@ -22,17 +22,12 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script,
+from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
                      logged_parameter_count, max_difference, read_losses, run, script, torchrun, train)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
 STEPS = ["--max-steps", "6", "--wandb-mode", "disabled"]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return SharedRuns(tmp_path_factory.mktemp("chapter05"))
 
 
 def pretrained_model(runs, env):

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_weights, logged_parameter_count, max_difference,
+from helpers import (CHAPTERS, REPO, checkpoint_weights, logged_parameter_count, max_difference,
                      read_losses, read_metrics, run, script, torchrun, train, train_with_a_restart)
 
 README = REPO / CHAPTERS["06"] / "README.md"
@@ -27,14 +27,8 @@ STEPS = 10
 FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Chapter 01's reference run and chapter 06's runs, shared by the tests of this file."""
-    return SharedRuns(tmp_path_factory.mktemp("runs"))
-
-
 def reference_run(runs, env):
-    return runs.train("01", env, "--max-steps", STEPS, "--batch-size", "4")
+    return runs.train("01", env, "--max-steps", STEPS, "--wandb-mode", "disabled", "--batch-size", "4")
 
 
 def tensor_parallel_run(runs, env, degree):

@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 
-from helpers import (CHAPTERS, REPO, SharedRuns, checkpoint_weights, logged_parameter_count, max_difference,
+from helpers import (CHAPTERS, REPO, checkpoint_weights, logged_parameter_count, max_difference,
                      read_losses, read_metrics, script, train)
 
 README = REPO / CHAPTERS["07"] / "README.md"
@@ -45,12 +45,6 @@ def layout(case):
         nproc *= size
         dp_size *= 1 if name == "tp" else size
     return nproc, dp_size, [*flags, "--batch-size", str(GLOBAL_BATCH // dp_size)]
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Chapter 01's reference run, each layout's 6-step run, and the run a resume starts from, made once each."""
-    return SharedRuns(tmp_path_factory.mktemp("chapter07"))
 
 
 def reference_run(runs, env):

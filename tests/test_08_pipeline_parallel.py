@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import (CHAPTERS, REPO, TINY_MODEL, SharedRuns, checkpoint_weights, error_line, load_script,
+from helpers import (CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
                      max_difference, read_losses, read_metrics, run, train)
 
 README = REPO / CHAPTERS["08"] / "README.md"
@@ -38,12 +38,6 @@ LAYOUTS = {
                                  "--batch-size", "2", "--grad-accum", "2"]),
     "pp2-dp2-1f1b": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2", "--batch-size", "2"]),
 }
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Chapter 01's reference run, each layout's run and the run a resume starts from, made once each."""
-    return SharedRuns(tmp_path_factory.mktemp("chapter08"))
 
 
 def reference_run(runs, env):

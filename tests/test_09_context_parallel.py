@@ -18,7 +18,7 @@ import torch
 
 from transformers import AutoConfig
 
-from helpers import (CHAPTERS, REPO, TINY_MODEL, SharedRuns, load_script, max_difference, read_losses, read_metrics,
+from helpers import (CHAPTERS, REPO, TINY_MODEL, load_script, max_difference, read_losses, read_metrics,
                      run, script, torchrun, train)
 from test_drift import LINEAGE, top_level_definitions
 
@@ -35,12 +35,6 @@ LAYOUTS = {
     "dp2xcp2-ring": (4, ["--cp", "2"]),
     "dp2xcp2-all-to-all-unbalanced": (4, ["--cp", "2", "--cp-attention", "all-to-all", "--cp-load-balance", "off"]),
 }
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Chapter 01's reference run and chapter 09's runs, made once each, shared by the tests of this file."""
-    return SharedRuns(tmp_path_factory.mktemp("chapter09"))
 
 
 def reference_run(runs, env):

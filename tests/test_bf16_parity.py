@@ -12,12 +12,12 @@ Measured on the tiny model, 6 steps of 4 x 64 tokens: 02 and 03 3.1e-4, 06 2.2e-
 08 1.9e-3 (chapter 01's own bf16 and fp32 curves differ by 6.5e-4). The tolerances leave a margin of 2.5x or more
 for other CPUs' bf16 kernels, and stay far below what a wrong run gives: consecutive losses of this curve differ by
 0.045 or more, so a chapter that skipped or repeated a step would be off by nine times the larger tolerance.
-One chapter-01 reference run serves every test (SharedRuns). `pytest -s` prints the figures.
+One chapter-01 reference run serves every test (the `runs` fixture of conftest.py). `pytest -s` prints the figures.
 """
 
 import pytest
 
-from helpers import SharedRuns, max_difference, read_losses
+from helpers import max_difference, read_losses
 
 STEPS = 6
 COMMON = ["--max-steps", str(STEPS), "--dtype", "bfloat16", "--wandb-mode", "disabled"]
@@ -39,11 +39,6 @@ CHAPTER_RUNS = {
     # NOTE: the cp ranks of 09 split the same sequences: 2 ranks as cp 2 read the whole batch.
     "09": (2, ["--cp", "2", "--batch-size", "4"], FSDP_BF16_TOLERANCE),
 }
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return SharedRuns(tmp_path_factory.mktemp("bf16"))
 
 
 @pytest.mark.parametrize("chapter", CHAPTER_RUNS)

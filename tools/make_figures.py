@@ -43,19 +43,23 @@ CHAPTERS = {
     "05": "05-training-llama-405b",
     "06": "06-tensor-parallel",
     "07": "07-2d-parallel",
+    "08": "08-pipeline-parallel",
+    "09": "09-context-parallel",
 }
 COMMON = ["--seq-length", "64", "--log-freq", "1", "--ckpt-freq", "100000", "--warmup-steps", "5",
           "--num-workers", "0", "--wandb-mode", "disabled"]
 
 # The parity figure: every run trains the same global batch of 4 sequences, from the same seeded weights, so every
-# curve should be chapter 01's. (label, chapter, processes or None for one plain process, flags). Chapters 08 and 09
-# add a line each here, e.g. ("08 pipeline, 2 stages", "08", 2, ["--batch-size", "4"]).
+# curve should be chapter 01's. (label, chapter, processes or None for one plain process, flags). A new chapter adds
+# a line here.
 PARITY_RUNS = [
     ("01, one process, batch 4", "01", None, ["--batch-size", "4"]),
     ("02 DDP, 2 ranks x 2", "02", 2, ["--batch-size", "2"]),
     ("04 FSDP, 2 ranks x 2", "04", 2, ["--batch-size", "2"]),
     ("06 TP 2, batch 4", "06", 2, ["--batch-size", "4"]),
     ("07 dp 2 x tp 2, 2 per dp rank", "07", 4, ["--batch-size", "2", "--tp", "2"]),
+    ("08 pp 2, 1F1B, 2 micro-batches", "08", 2, ["--batch-size", "4", "--pp", "2"]),
+    ("09 cp 2, ring attention", "09", 2, ["--batch-size", "4", "--cp", "2"]),
 ]
 # The memory figure: (label, chapter, flags, the estimator's layout for N ranks, bytes per parameter at N ranks).
 MEMORY_RUNS = [
