@@ -734,11 +734,11 @@ def tensor_parallel_collectives(add, dims, layout, coords, parameters, widths, m
         add("tp", t, "reduce_scatter", gathered, calls=micro_batches)
         # NOTE: loss_parallel: the logits' maximum and sum of exponentials per token, and the loss.
         add("tp", t, "all_reduce", 4 * tokens, calls=3 * micro_batches)
-    # NOTE: the norms' gradients are Partial: all-reduced by clip_grad_norm_, and without FSDP three times more by
-    # AdamW, once per use of the gradient. clip_grad_norm_ then all-reduces the stacked norms, one number each.
+    # NOTE: the norms' gradients are Partial: all-reduced by clip_grad_norm_, and without FSDP once more by the fused
+    # AdamW, which reads each gradient once. clip_grad_norm_ then all-reduces the stacked norms, one number each.
     stage_parameters = [p for p in parameters if on_this_stage(p, dims, layout, coords.pp)]
     norm_bytes = sum(4 * numel(p.shape) for p in stage_parameters if p.role == "norm")
-    add("tp", t, "all_reduce", norm_bytes, calls=1 if layout.fsdp else 4)
+    add("tp", t, "all_reduce", norm_bytes, calls=1 if layout.fsdp else 2)
     add("tp", t, "all_reduce", 4 * len(stage_parameters))
 
 
