@@ -16,7 +16,8 @@ folder works). The layout flags are the chapters' own:
                            chapter 05's groups; --activation-checkpointing and --cpu-offload as in chapter 05
     --tp T                 chapter 06: tensor + sequence parallel, loss parallel
     --tp T --dp N --fsdp   chapter 07: TP inside a node, FSDP across (--dp-replicate R for hybrid sharding)
-    --pp P, --cp C         pipeline and context parallelism: textbook formulas until chapters 08 and 09 exist
+    --pp P                 chapter 08: P pipeline stages (1F1B), FSDP inside each with --fsdp
+    --cp C                 chapter 09: ring attention over C ranks, FSDP over dp x cp with --fsdp
 
 Sizes are per GPU, for the rank given by --rank (default 0; with FSDP a rank whose rows do not divide evenly holds
 fewer). The tests (tests/test_estimate_memory.py) compare parameters, gradients and optimizer state, to the byte,
@@ -78,8 +79,8 @@ def get_parser():
     parser.add_argument("--split-root-group", action="store_true",
                         help="chapter 05's FSDP groups: the embedding freed after its forward, norm and head apart")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06's plan)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (1F1B schedule; textbook)")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (ring attention; textbook)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (chapter 08, 1F1B schedule)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 09, ring attention)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="keep only each decoder layer's input, recompute the rest in backward (chapter 05)")
     parser.add_argument("--cpu-offload", action="store_true",
@@ -689,18 +690,21 @@ def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes
         tensor_parallel_collectives(add, dims, layout, coords, parameters, widths, micro_batches)
     if layout.cp > 1:
         tokens = layout.batch_size * layout.seq_length // layout.cp
-        kv_bytes = 2 * widths["attention"] * dims.kv_dim / layout.tp * tokens * layout.cp
+        key_value_block = 2 * dims.kv_dim / layout.tp * tokens  # this rank's keys and values, in numbers
         num_layers = len(stage_layers(dims, layout, coords.pp))
-        # NOTE: ring attention passes every rank's keys and values around the ring in forward and again in
-        # backward, and their gradients back: K and V gathered twice, their gradients reduce-scattered once, per
-        # layer (torch's context_parallel, rotation "allgather"). Textbook: chapter 09 will check it.
-        add("cp (ring attention)", layout.cp, "all_gather", kv_bytes, calls=2 * num_layers * micro_batches)
-        add("cp (ring attention)", layout.cp, "reduce_scatter", kv_bytes, calls=num_layers * micro_batches)
+        # NOTE: chapter 09's ring (--cp-attention ring, its default) passes each rank's K/V block to the next rank
+        # cp - 1 times in forward and again in backward, and the blocks' fp32 gradients cp times (the last pass
+        # brings each rank's own home): point-to-point sends, per layer and micro-batch.
+        add("cp (ring attention)", layout.cp, "send", widths["attention"] * key_value_block,
+            calls=2 * (layout.cp - 1) * num_layers * micro_batches)
+        add("cp (ring attention)", layout.cp, "send", 4 * key_value_block, calls=layout.cp * num_layers * micro_batches)
     if layout.pp > 1:
         tokens = layout.batch_size * layout.seq_length // layout.cp
         boundary = widths["residual"] * dims.hidden / layout.tp * tokens
         sends = (coords.pp < layout.pp - 1) + (coords.pp > 0)  # activations forward, their gradients backward
         add("pp (stage to stage)", 2, "send", boundary, calls=sends * micro_batches)
+        # NOTE: the gradient norm of the whole model: the stages' squared norms summed, one fp32 number.
+        add("pp (stage to stage)", layout.pp, "all_reduce", 4)
     return comm
 
 
