@@ -1,6 +1,7 @@
 """Draw chapter 09's picture of causal load balancing: which rank computes which part of the attention matrix.
 
     python tools/draw_context_parallel_layout.py     # writes 09-context-parallel/load-balanced-layout.png
+    python tools/draw_context_parallel_layout.py --out layout.png
 
 The sequence of one example is cut into 2 x cp chunks (cp = 4: 8 chunks). Each cell of the grid is a chunk of
 queries (row) against a chunk of keys (column); the causal mask leaves the cells on and below the diagonal (a cell
@@ -8,6 +9,7 @@ on the diagonal is half a block). A cell is coloured by the rank that holds its 
 computes it. The layout comes from the chapter's own get_token_indices(); the bars count each rank's cells.
 """
 
+import argparse
 import importlib.util
 from pathlib import Path
 
@@ -23,6 +25,9 @@ COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
 
 
 def main():
+    parser = argparse.ArgumentParser(description="Draw chapter 09's picture of causal load balancing.")
+    parser.add_argument("--out", type=Path, default=OUTPUT, help="the PNG to write (default: the chapter's)")
+    args = parser.parse_args()
     spec = importlib.util.spec_from_file_location("train_llm_09", REPO_ROOT / "09-context-parallel" / "train_llm.py")
     chapter = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(chapter)
@@ -63,8 +68,8 @@ def main():
     figure.suptitle(f"Causal attention over one sequence in {chunks} chunks, split across {CP} context-parallel ranks",
                     fontsize=11)
     figure.tight_layout()
-    figure.savefig(OUTPUT, dpi=100)
-    print(f"wrote {OUTPUT}")
+    figure.savefig(args.out, dpi=100)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

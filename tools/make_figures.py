@@ -13,6 +13,10 @@ The figures, and the runs each one is drawn from (the tables below list them; a 
     lr_schedule.png             the learning rate chapter 01 logs, step by step, against its formula
     activation_checkpointing.png  the peak of a step above the model state, chapter 05 with and without
                                 --activation-checkpointing, measured and estimated; and the estimate for 405B
+    08-pipeline-parallel/pipeline-schedules.png   GPipe, 1F1B and interleaved 1F1B timelines measured at 4
+                                micro-batches (tools/measure_pipeline.py; its bubble table takes longer: run it alone)
+    09-context-parallel/load-balanced-layout.png  which rank computes which part of the causal attention, from
+                                chapter 09's own token split (tools/draw_context_parallel_layout.py)
 
 Everything runs on the CPU with the bundled tiny model and corpus; a full run took 32 minutes on 2 busy cores
 (--reuse redraws from the runs a previous call left in --work-dir, in seconds).
@@ -71,7 +75,7 @@ MEMORY_RUNS = [
 
 def main():
     parser = argparse.ArgumentParser(
-        description="Regenerate the READMEs' figures from CPU runs of the chapters (docs/figures/*.png) and their "
+        description="Regenerate the READMEs' figures from CPU runs of the chapters (docs/figures/*.png, and 08's and 09's own) and their "
                     "tables from tools/estimate_memory.py.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -137,6 +141,18 @@ class Runner:
             tail = "\n".join(log.read_text().splitlines()[-30:])
             raise SystemExit(f"error: {' '.join(command)} failed (exit {result.returncode}); its log {log} ends:\n{tail}")
         return (experiment, read_measurements(measured_dir)) if measure else experiment
+
+    def run_tool(self, name, tool, *args):
+        """Run another figure tool of tools/, with its log in the work folder."""
+        log = self.work_dir / "logs" / f"{name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, str(TOOLS / tool), *map(str, args)]
+        with open(log, "w") as log_file:
+            result = subprocess.run(command, cwd=self.work_dir, env=self.env, stdout=log_file,
+                                    stderr=subprocess.STDOUT, timeout=3600)
+        if result.returncode != 0:
+            tail = "\n".join(log.read_text().splitlines()[-30:])
+            raise SystemExit(f"error: {' '.join(command)} failed (exit {result.returncode}); its log {log} ends:\n{tail}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -284,11 +300,31 @@ def make_activation_checkpointing(runner, out_dir):
     return save(figure, out_dir / "activation_checkpointing.png")
 
 
+def make_pipeline_schedules(runner, out_dir):
+    path = chapter_figure(out_dir, "08", "pipeline-schedules.png")
+    steps = ["--steps", "3"] if runner.fast else []
+    runner.run_tool("pipeline-schedules", "measure_pipeline.py", "--microbatches", "4", *steps, "--figure", path)
+    return path
+
+
+def make_context_parallel_layout(runner, out_dir):
+    path = chapter_figure(out_dir, "09", "load-balanced-layout.png")
+    runner.run_tool("context-parallel-layout", "draw_context_parallel_layout.py", "--out", path)
+    return path
+
+
+def chapter_figure(out_dir, chapter, name):
+    """A figure that lives next to its chapter's README, or in --out-dir when one is given."""
+    return REPO / CHAPTERS[chapter] / name if out_dir == FIGURES else out_dir / name
+
+
 FIGURE_MAKERS = {
     "parity": make_parity,
     "memory_per_rank": make_memory_per_rank,
     "lr_schedule": make_lr_schedule,
     "activation_checkpointing": make_activation_checkpointing,
+    "pipeline_schedules": make_pipeline_schedules,
+    "context_parallel_layout": make_context_parallel_layout,
 }
 
 
