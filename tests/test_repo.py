@@ -5,6 +5,7 @@ forward builds a KV cache."""
 import ast
 import re
 import sys
+import textwrap
 
 import pytest
 
@@ -119,3 +120,76 @@ def test_the_readme_tables_are_what_the_estimator_computes():
 def test_every_tool_answers_help(env, tmp_path, tool):
     result = run([sys.executable, REPO / "tools" / tool, "--help"], env, tmp_path, timeout=120)
     assert result.stdout.startswith("usage: ")
+
+
+CHAPTER_READMES = sorted(REPO.glob("[0-9][0-9]-*/README.md"))
+BASE = {chapter: base for base, chapter in __import__("test_drift").LINEAGE}
+FENCED_BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+# The parts every chapter's README has, in this order: "## Quick start on a CPU", then the chapter's concepts under
+# headings of their own (one at least), then these four. Chapter 01 has no base: its code is "## The code".
+LAST_HEADINGS = ["## The code changes", "## Running it on a GPU cluster", "## Measured numbers", "## Next"]
+MAX_DIFF_LINES, MAX_EXCERPT_LINES = 40, 15
+
+
+def top_level_headings(text):
+    """The '## ' headings outside code blocks, and the text before the first."""
+    headings, in_code, preamble = [], False, []
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("## "):
+            headings.append(line)
+        if not headings:
+            preamble.append(line)
+    return headings, "\n".join(preamble)
+
+
+def python_excerpts(readme):
+    """(the paragraph before it, the block) for every ```python block."""
+    text = readme.read_text()
+    return [(text[:match.start()].rstrip().rsplit("\n\n", 1)[-1], match.group(2))
+            for match in FENCED_BLOCK.finditer(text) if match.group(1) == "python"]
+
+
+def is_quoted(block, source_lines):
+    """Each run of lines between '...' lines appears, in order, as consecutive lines of the source, shifted right
+    by one indentation of its own."""
+    segments = [[]]
+    for line in textwrap.dedent(block).splitlines():
+        if line.strip() == "...":
+            segments.append([])
+        else:
+            segments[-1].append(line)
+    start = 0
+    for segment in filter(None, segments):
+        for index in range(start, len(source_lines) - len(segment) + 1):
+            first = source_lines[index].rstrip()
+            indent = first[:len(first) - len(segment[0].rstrip())]
+            if indent.strip() or not first.endswith(segment[0].rstrip()):
+                continue
+            if all(source.rstrip() == (indent + line).rstrip() if line.strip() else not source.strip()
+                   for source, line in zip(source_lines[index:], segment)):
+                start = index + len(segment)
+                break
+        else:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("readme", CHAPTER_READMES, ids=lambda path: path.parent.name)
+def test_every_python_excerpt_is_quoted_from_the_chapter(readme):
+    # NOTE: excerpts are lines of the chapter's own Python files (or of its base's, where the paragraph before
+    # the block names the base chapter), so that they cannot drift from the code they explain.
+    number = readme.parent.name[:2]
+    folders = [readme.parent]
+    wrong = []
+    for paragraph, block in python_excerpts(readme):
+        if number in BASE and re.search(rf"\bchapter {BASE[number]}\b", paragraph, re.IGNORECASE):
+            folders.append(next(REPO.glob(f"{BASE[number]}-*/")))
+        sources = [path.read_text().splitlines() for folder in folders for path in sorted(folder.glob("*.py"))]
+        lines = [line for line in block.splitlines() if line.strip() != "..."]
+        if len(lines) > MAX_EXCERPT_LINES or not any(is_quoted(block, source) for source in sources):
+            wrong.append(block)
+        folders = folders[:1]
+    assert not wrong, f"{readme.relative_to(REPO)}: excerpts longer than {MAX_EXCERPT_LINES} lines or not in " \
+                      f"the chapter's code:\n" + "\n---\n".join(wrong)
