@@ -127,7 +127,7 @@ BASE = {chapter: base for base, chapter in __import__("test_drift").LINEAGE}
 FENCED_BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 # The parts every chapter's README has, in this order: "## Quick start on a CPU", then the chapter's concepts under
 # headings of their own (one at least), then these four. Chapter 01 has no base: its code is "## The code".
-LAST_HEADINGS = ["## The code changes", "## Running it on a GPU cluster", "## Measured numbers", "## Next"]
+LAST_HEADINGS = ["## The code changes", "## Running it on GPUs", "## Measured numbers", "## Next"]
 MAX_DIFF_LINES, MAX_EXCERPT_LINES = 40, 15
 
 
@@ -142,6 +142,50 @@ def top_level_headings(text):
         if not headings:
             preamble.append(line)
     return headings, "\n".join(preamble)
+
+
+@pytest.mark.parametrize("readme", CHAPTER_READMES, ids=lambda path: path.parent.name)
+def test_every_chapter_readme_has_the_common_structure(readme):
+    chapter_dir = readme.parent.name
+    number = chapter_dir[:2]
+    text = readme.read_text()
+    headings, preamble = top_level_headings(text)
+    last = LAST_HEADINGS if number in BASE else ["## The code", *LAST_HEADINGS[1:]]
+    assert text.startswith(f"# Chapter {number}: "), "the title is '# Chapter NN: ...'"
+    assert len(re.sub(r"^#.*$", "", preamble, flags=re.MULTILINE).split()) >= 30, "a paragraph says what it solves"
+    assert headings[0] == "## Quick start on a CPU", headings
+    assert headings[-4:] == last and len(headings) >= 6, headings
+    assert not set(headings[1:-4]) & {"## Quick start on a CPU", *last}, headings
+    if number in BASE:
+        base_dir = REPO.glob(f"{BASE[number]}-*/train_llm.py").__next__().parent.name
+        command = f"diff -u {base_dir}/train_llm.py {chapter_dir}/train_llm.py"
+        assert command in preamble, f"the text before the first section names the base and shows `{command}`"
+    long_diffs = [len(body.splitlines()) for kind, body in FENCED_BLOCK.findall(text)
+                  if kind == "diff" and len(body.splitlines()) > MAX_DIFF_LINES]
+    assert not long_diffs, f"diff blocks of {long_diffs} lines: explain the change, the reader runs diff -u"
+
+
+def heading_anchors(text):
+    """GitHub's anchors of a Markdown text's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings, in_code = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code and re.match(r"#{1,6} ", line):
+            headings.append(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return set(headings)
+
+
+@pytest.mark.parametrize("readme", ALL_READMES, ids=lambda path: str(path.relative_to(REPO)))
+def test_every_section_link_resolves(readme):
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", readme.read_text()):
+        linked = (readme.parent / target) if target else readme
+        if target.startswith(("http://", "https://")):
+            continue
+        if not linked.is_file() or anchor not in heading_anchors(linked.read_text()):
+            broken.append(f"{target}#{anchor}")
+    assert not broken, f"{readme.relative_to(REPO)} links to sections that do not exist: {broken}"
 
 
 def python_excerpts(readme):
