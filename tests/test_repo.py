@@ -4,6 +4,7 @@ forward builds a KV cache."""
 
 import ast
 import re
+import subprocess
 import sys
 import textwrap
 
@@ -237,3 +238,11 @@ def test_every_python_excerpt_is_quoted_from_the_chapter(readme):
         folders = folders[:1]
     assert not wrong, f"{readme.relative_to(REPO)}: excerpts longer than {MAX_EXCERPT_LINES} lines or not in " \
                       f"the chapter's code:\n" + "\n---\n".join(wrong)
+
+
+def test_the_repository_layout_lists_every_folder():
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    folders = sorted({line.split("/")[0] for line in tracked.splitlines() if "/" in line})
+    layout = (REPO / "README.md").read_text().split("## Repository layout", 1)[1]
+    listed = {line.split("/")[0] for line in layout.splitlines() if re.match(r"[\w.-]+/", line)}
+    assert len(folders) >= 15 and set(folders) <= listed, f"README.md's layout leaves out {sorted(set(folders) - listed)}"
