@@ -1,6 +1,8 @@
 """Repository-wide checks: every script answers --help, every command in a README points at files that exist
 and passes only flags its script accepts, every torch.load says where its tensors go, and no chapter's training
-forward builds a KV cache."""
+forward builds a KV cache. Every chapter README has the common structure (its '## ' headings in order, no diff
+block over 40 lines), quotes only lines of its chapter's code in its Python excerpts, and links only to sections
+that exist; the top-level README's layout names every folder."""
 
 import ast
 import re
