@@ -2,7 +2,7 @@
 # The checks of this chapter that need CUDA GPUs (not run by pytest: CI has no GPU; not yet run: no GPU machine was
 # available when the chapter was written). From the repository root, on a machine with 2, 4 or 8 GPUs:
 #   bash 09-context-parallel/gpu_check.sh [OUTPUT_DIR]
-#   attention   tests/cp_attention_check.py on every GPU, NCCL: ring, all-to-all and PyTorch's context_parallel()
+#   attention   09-context-parallel/cp_attention_check.py on every GPU, NCCL: ring, all-to-all and PyTorch's context_parallel()
 #               (pytorch), load balancing on and off, each rank's output and q/k/v gradients against full causal
 #               attention (within 2e-5, fp32), and the whole model module by module (within 1e-5)
 #   ring, all-to-all, pytorch
@@ -37,7 +37,7 @@ sys.exit(0 if len(a) == len(b) == 20 and difference <= float(sys.argv[3]) else 1
 EOF
 }
 
-(cd tests && timeout 600 torchrun --standalone --nproc-per-node "$NPROC" cp_attention_check.py) > "$OUT_DIR/attention.log" 2>&1
+timeout 600 torchrun --standalone --nproc-per-node "$NPROC" 09-context-parallel/cp_attention_check.py > "$OUT_DIR/attention.log" 2>&1
 report attention $? "$(grep -E '^(ok|error):' "$OUT_DIR/attention.log" | head -1)"
 
 # NOTE: --cp CP on NPROC GPUs trains NPROC / CP sequences a step (one per data-parallel group); the reference without

@@ -1,15 +1,14 @@
 """Chapter 06: tensor parallelism on 2 and 4 CPU processes (gloo) trains exactly as chapter 01 does on the same batch;
 a model with tied embeddings keeps one matrix (chapter 01's losses and parameter count, exact resume, a converted
 Hugging Face folder that is the checkpoint); each module of the chapter's plan computes what the whole model
-computes, and a wrong style is named at its module; resume is exact; a degree that does not divide the model gets a one-line error; the README's diff is the real one
-and its CPU command runs as written.
+computes, and a wrong style is named at its module; resume is exact; a degree that does not divide the model gets a one-line error; the README's CPU command runs
+as written (tests/test_repo.py checks that its excerpts are the script's lines).
 
 `pytest -s` prints the figures: the largest loss and weight differences from chapter 01, and the module check's.
 """
 
 import re
 import shlex
-import subprocess
 import sys
 
 import pytest
@@ -22,7 +21,7 @@ from helpers import (CHAPTERS, REPO, checkpoint_weights, logged_parameter_count,
 
 README = REPO / CHAPTERS["06"] / "README.md"
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
-LAYER_CHECK = REPO / "tests" / "tp_layer_check.py"
+LAYER_CHECK = REPO / CHAPTERS["06"] / "tp_layer_check.py"
 STEPS = 10
 FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
 
@@ -217,17 +216,6 @@ def test_a_degree_that_does_not_divide_the_model_gets_a_one_line_error(env, tmp_
     assert len(errors) == 1 and expected in errors[0], result.stderr[-3000:]
     # The workers stopped with the message alone: no traceback through the script.
     assert f'File "{script("06")}"' not in result.stderr
-
-
-def readme_code_blocks():
-    return re.findall(r"^```[a-z]*\n(.*?)^```$", README.read_text(), re.MULTILINE | re.DOTALL)
-
-
-def test_the_readme_shows_the_exact_diff_from_chapter_04():
-    # The README quotes `diff` hunk by hunk, each in a block of its own that starts with the hunk's header (37a37).
-    hunks = [block for block in readme_code_blocks() if re.match(r"\d+(,\d+)?[acd]\d+(,\d+)?\n", block)]
-    diff = subprocess.run(["diff", script("04"), script("06")], capture_output=True, text=True).stdout
-    assert "".join(hunks) == diff
 
 
 def test_the_readme_cpu_commands_train(env, tmp_path):

@@ -2,21 +2,20 @@
 exactly as chapter 01 does with the same global batch, whatever the layout of 2 or 4 ranks (dp x tp, and hybrid
 sharding), a model with tied embeddings included; resume is exact, and a checkpoint resumes at another
 data-parallel size; a layout that does not fit the world gets a one-line error; tokens/s counts the data-parallel
-ranks only; the README's commands are layouts tested here, and it quotes the exact diff from chapter 06.
+ranks only; the README's commands are layouts tested here (tests/test_repo.py checks that its excerpts are the script's
+lines).
 
 `pytest -s` prints the figures: the largest loss and weight differences from chapter 01, and after a resume.
 Every run trains 6 steps of 4 sequences of 64 tokens: 4 processes on 2 cores take a few seconds per step.
 """
 
-import re
 import shlex
 import shutil
-import subprocess
 
 import pytest
 
 from helpers import (CHAPTERS, REPO, checkpoint_weights, logged_parameter_count, max_difference,
-                     read_losses, read_metrics, script, train)
+                     read_losses, read_metrics, train)
 
 README = REPO / CHAPTERS["07"] / "README.md"
 STEPS, HALF = 6, 3
@@ -179,9 +178,3 @@ def test_readme_cpu_commands_are_layouts_tested_here():
     assert commands, f"no 'torchrun --standalone ...' command in {README}"
     assert all(command in tested for command in commands), commands
     assert tested[0] in commands and tested[-1] in commands, "the README shows dp 2 x tp 2 and hybrid sharding"
-
-
-def test_the_readme_shows_the_exact_diff_from_chapter_06():
-    blocks = re.findall(r"^```diff\n(.*?)^```$", README.read_text(), re.MULTILINE | re.DOTALL)
-    diff = subprocess.run(["diff", script("06"), script("07")], capture_output=True, text=True).stdout
-    assert blocks == [diff]

@@ -23,7 +23,7 @@ from helpers import (CHAPTERS, REPO, TINY_MODEL, load_script, max_difference, re
 from test_drift import LINEAGE, top_level_definitions
 
 README = REPO / CHAPTERS["09"] / "README.md"
-ATTENTION_CHECK = REPO / "tests" / "cp_attention_check.py"
+ATTENTION_CHECK = REPO / CHAPTERS["09"] / "cp_attention_check.py"
 MEASURE = REPO / "tools" / "measure_context_parallel.py"
 STEPS, HALF = 6, 3
 GLOBAL_BATCH, SEQ_LENGTH = 4, 256

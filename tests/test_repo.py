@@ -1,10 +1,14 @@
 """Repository-wide checks: every script answers --help, every command in a README points at files that exist
 and passes only flags its script accepts, every torch.load says where its tensors go, and no chapter's training
-forward builds a KV cache."""
+forward builds a KV cache. Every chapter README has the common structure (its '## ' headings in order, no diff
+block over 40 lines), quotes only lines of its chapter's code in its Python excerpts, and links only to sections
+that exist; the top-level README's layout names every folder."""
 
 import ast
 import re
+import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -119,3 +123,128 @@ def test_the_readme_tables_are_what_the_estimator_computes():
 def test_every_tool_answers_help(env, tmp_path, tool):
     result = run([sys.executable, REPO / "tools" / tool, "--help"], env, tmp_path, timeout=120)
     assert result.stdout.startswith("usage: ")
+
+
+CHAPTER_READMES = sorted(REPO.glob("[0-9][0-9]-*/README.md"))
+BASE = {chapter: base for base, chapter in __import__("test_drift").LINEAGE}
+FENCED_BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
+# The parts every chapter's README has, in this order: "## Quick start on a CPU", then the chapter's concepts under
+# headings of their own (one at least), then these four. Chapter 01 has no base: its code is "## The code".
+LAST_HEADINGS = ["## The code changes", "## Running it on GPUs", "## Measured numbers", "## Next"]
+MAX_DIFF_LINES, MAX_EXCERPT_LINES = 40, 15
+
+
+def top_level_headings(text):
+    """The '## ' headings outside code blocks, and the text before the first."""
+    headings, in_code, preamble = [], False, []
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("## "):
+            headings.append(line)
+        if not headings:
+            preamble.append(line)
+    return headings, "\n".join(preamble)
+
+
+@pytest.mark.parametrize("readme", CHAPTER_READMES, ids=lambda path: path.parent.name)
+def test_every_chapter_readme_has_the_common_structure(readme):
+    chapter_dir = readme.parent.name
+    number = chapter_dir[:2]
+    text = readme.read_text()
+    headings, preamble = top_level_headings(text)
+    last = LAST_HEADINGS if number in BASE else ["## The code", *LAST_HEADINGS[1:]]
+    assert text.startswith(f"# Chapter {number}: "), "the title is '# Chapter NN: ...'"
+    assert len(re.sub(r"^#.*$", "", preamble, flags=re.MULTILINE).split()) >= 30, "a paragraph says what it solves"
+    assert headings[0] == "## Quick start on a CPU", headings
+    assert headings[-4:] == last and len(headings) >= 6, headings
+    assert not set(headings[1:-4]) & {"## Quick start on a CPU", *last}, headings
+    if number in BASE:
+        base_dir = REPO.glob(f"{BASE[number]}-*/train_llm.py").__next__().parent.name
+        command = f"diff -u {base_dir}/train_llm.py {chapter_dir}/train_llm.py"
+        assert command in preamble, f"the text before the first section names the base and shows `{command}`"
+    long_diffs = [len(body.splitlines()) for kind, body in FENCED_BLOCK.findall(text)
+                  if kind == "diff" and len(body.splitlines()) > MAX_DIFF_LINES]
+    assert not long_diffs, f"diff blocks of {long_diffs} lines: explain the change, the reader runs diff -u"
+
+
+def heading_anchors(text):
+    """GitHub's anchors of a Markdown text's headings: lower case, punctuation dropped, spaces as hyphens."""
+    headings, in_code = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_code = not in_code
+        elif not in_code and re.match(r"#{1,6} ", line):
+            headings.append(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return set(headings)
+
+
+@pytest.mark.parametrize("readme", ALL_READMES, ids=lambda path: str(path.relative_to(REPO)))
+def test_every_section_link_resolves(readme):
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", readme.read_text()):
+        linked = (readme.parent / target) if target else readme
+        if target.startswith(("http://", "https://")):
+            continue
+        if not linked.is_file() or anchor not in heading_anchors(linked.read_text()):
+            broken.append(f"{target}#{anchor}")
+    assert not broken, f"{readme.relative_to(REPO)} links to sections that do not exist: {broken}"
+
+
+def python_excerpts(readme):
+    """(the paragraph before it, the block) for every ```python block."""
+    text = readme.read_text()
+    return [(text[:match.start()].rstrip().rsplit("\n\n", 1)[-1], match.group(2))
+            for match in FENCED_BLOCK.finditer(text) if match.group(1) == "python"]
+
+
+def is_quoted(block, source_lines):
+    """Each run of lines between '...' lines appears, in order, as consecutive lines of the source, shifted right
+    by one indentation of its own."""
+    segments = [[]]
+    for line in textwrap.dedent(block).splitlines():
+        if line.strip() == "...":
+            segments.append([])
+        else:
+            segments[-1].append(line)
+    start = 0
+    for segment in filter(None, segments):
+        for index in range(start, len(source_lines) - len(segment) + 1):
+            first = source_lines[index].rstrip()
+            indent = first[:len(first) - len(segment[0].rstrip())]
+            if indent.strip() or not first.endswith(segment[0].rstrip()):
+                continue
+            if all(source.rstrip() == (indent + line).rstrip() if line.strip() else not source.strip()
+                   for source, line in zip(source_lines[index:], segment)):
+                start = index + len(segment)
+                break
+        else:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("readme", CHAPTER_READMES, ids=lambda path: path.parent.name)
+def test_every_python_excerpt_is_quoted_from_the_chapter(readme):
+    # NOTE: excerpts are lines of the chapter's own Python files (or of its base's, where the paragraph before
+    # the block names the base chapter), so that they cannot drift from the code they explain.
+    number = readme.parent.name[:2]
+    folders = [readme.parent]
+    wrong = []
+    for paragraph, block in python_excerpts(readme):
+        if number in BASE and re.search(rf"\bchapter {BASE[number]}\b", paragraph, re.IGNORECASE):
+            folders.append(next(REPO.glob(f"{BASE[number]}-*/")))
+        sources = [path.read_text().splitlines() for folder in folders for path in sorted(folder.glob("*.py"))]
+        lines = [line for line in block.splitlines() if line.strip() != "..."]
+        if len(lines) > MAX_EXCERPT_LINES or not any(is_quoted(block, source) for source in sources):
+            wrong.append(block)
+        folders = folders[:1]
+    assert not wrong, f"{readme.relative_to(REPO)}: excerpts longer than {MAX_EXCERPT_LINES} lines or not in " \
+                      f"the chapter's code:\n" + "\n---\n".join(wrong)
+
+
+def test_the_repository_layout_lists_every_folder():
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    folders = sorted({line.split("/")[0] for line in tracked.splitlines() if "/" in line})
+    layout = (REPO / "README.md").read_text().split("## Repository layout", 1)[1]
+    listed = {line.split("/")[0] for line in layout.splitlines() if re.match(r"[\w.-]+/", line)}
+    assert len(folders) >= 15 and set(folders) <= listed, f"README.md's layout leaves out {sorted(set(folders) - listed)}"

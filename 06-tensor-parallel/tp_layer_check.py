@@ -1,6 +1,6 @@
 """Check chapter 06's tensor-parallel plan module by module against the same model in one process.
 
-    torchrun --standalone --nproc-per-node 2 tests/tp_layer_check.py
+    torchrun --standalone --nproc-per-node 2 06-tensor-parallel/tp_layer_check.py
 
 Every rank builds the tiny Llama twice: split with the chapter's own parallelize_model(), and whole, with the same
 weights. Both run one forward and backward, first of decoder layer 0 alone, then of the whole model (with
@@ -14,7 +14,9 @@ where the check points: at o_proj, which fails on its input; at the MLP whose ga
 where its sibling up_proj returns a slice.
 """
 
+import importlib
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -23,7 +25,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import TINY_MODEL, load_script
+# NOTE: the tiny bundled Llama, wherever the check is run from.
+TINY_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-llama"
 
 BATCH, SEQ_LENGTH, NUM_LAYERS, SEED = 2, 16, 2, 0
 # fp32 on the CPU: the split matmuls add the same products in another order, so differences are rounding (~1e-7),
@@ -204,7 +207,7 @@ def main():
     dist.init_process_group(backend="gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     # NOTE: the chapter's own script, imported as a module: the check tests its parallelize_model(), not a copy.
-    chapter = load_script("06")
+    chapter = importlib.import_module("train_llm")  # beside this file: torchrun puts its folder on sys.path
     broken = os.environ.get("TP_CHECK_BREAK")
     if broken:
         break_layer_zero(chapter, broken)

@@ -1,6 +1,6 @@
 """Check chapter 09's attention across the split against full causal attention, then the whole model module by module.
 
-    torchrun --standalone --nproc-per-node 4 tests/cp_attention_check.py
+    torchrun --standalone --nproc-per-node 4 09-context-parallel/cp_attention_check.py
 
 On 4 ranks, every layout 4 ranks make: cp 2 (a (2, 2) mesh) and cp 4 (a (1, 4) mesh); both forms (ring,
 all-to-all) and, on CUDA only, PyTorch's context_parallel() (pytorch); load balancing on and off. The chapter's own
@@ -26,7 +26,9 @@ fp32, differences relative to the largest value (where it is above 1: rounding i
 """
 
 import copy
+import importlib
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from helpers import TINY_MODEL, load_script
+# NOTE: the tiny bundled Llama, wherever the check is run from.
+TINY_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-llama"
 
 BATCH, SEQ_LENGTH, NUM_LAYERS, SEED = 2, 64, 2, 0
 DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else \
@@ -182,7 +185,7 @@ def main():
     if DEVICE.type == "cuda":
         torch.cuda.set_device(DEVICE)
     world_size = dist.get_world_size()
-    chapter = load_script("09")
+    chapter = importlib.import_module("train_llm")  # beside this file: torchrun puts its folder on sys.path
     if os.environ.get("CP_CHECK_BREAK") == "ring-sees-the-future":
         chapter.visible_block = lambda rank, source, length, load_balance: (slice(None), slice(None), source == rank)
         say("the ring's visible_block() lets every query see every other rank's keys (wrong on purpose)")
