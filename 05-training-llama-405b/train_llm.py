@@ -261,53 +261,60 @@ def get_parser():
         description="Train a Llama-style causal language model on one GPU, or on the CPU.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
-                        help="Hugging Face hub name or local folder with config.json, the tokenizer and, to start "
-                             "from pretrained weights, *.safetensors files")
-    parser.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
-                        help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, .parquet)")
-    parser.add_argument("--dataset-subset", default=None, help="the data set's configuration name, if it has several")
-    parser.add_argument("--text-column", default="text", help="the data set's column that holds the text")
-    parser.add_argument("-e", "--experiment-name", default="quickstart",
-                        help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
-    parser.add_argument("--save-dir", default="outputs", help="parent folder of all experiment folders")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the sample order")
-    parser.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=20, help="steps of linear warm-up before cosine decay")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--cpu-offload", action="store_true",
-                        help="keep parameters, gradients and optimizer state in CPU memory; the optimizer steps "
-                             "on the CPU (CUDA only)")
-    parser.add_argument("--activation-checkpointing", action="store_true",
-                        help="keep only each decoder layer's input from the forward pass and recompute the rest "
-                             "during the backward pass")
-    parser.add_argument("--compile", action="store_true", help="compile each decoder layer with torch.compile")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
-    parser.add_argument("--max-steps", type=int, default=200,
-                        help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
-                             "one would)")
-    parser.add_argument("--num-epochs", type=int, default=None,
-                        help="train for this many passes over the data set instead of --max-steps")
-    parser.add_argument("--exit-after-steps", type=int, default=None,
-                        help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time limit")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="compute dtype; auto is bfloat16 on CUDA and float32 on CPU")
-    parser.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
-    parser.add_argument("--num-workers", type=int, default=1, help="data loader worker processes")
-    parser.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
-    parser.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
-    parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
-                        help="default: online if you are logged in to wandb, offline otherwise")
-    parser.add_argument("--wandb-project", default="distributed-training-guide")
-    parser.add_argument("--dist-timeout", type=int, default=600,
-                        help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
-                             "the process group's timeout, the same for every backend")
-    parser.add_argument("--rdzv-timeout", type=int, default=300,
-                        help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
-                             "by srun or mpirun, before giving up")
+    model_and_data = parser.add_argument_group("model and data")
+    model_and_data.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
+                                help="Hugging Face hub name or local folder with config.json, the tokenizer and, to "
+                                     "start from pretrained weights, *.safetensors files")
+    model_and_data.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
+                                help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, "
+                                     ".parquet)")
+    model_and_data.add_argument("--dataset-subset", default=None,
+                                help="the data set's configuration name, if it has several")
+    model_and_data.add_argument("--text-column", default="text", help="the data set's column that holds the text")
+    model_and_data.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
+    model_and_data.add_argument("--activation-checkpointing", action="store_true",
+                                help="keep only each decoder layer's input from the forward pass and recompute the "
+                                     "rest during the backward pass")
+    model_and_data.add_argument("--compile", action="store_true", help="compile each decoder layer with torch.compile")
+    model_and_data.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                                help="compute dtype; auto is bfloat16 on CUDA and float32 on CPU")
+    model_and_data.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
+    model_and_data.add_argument("--num-workers", type=int, default=1, help="data loader worker processes")
+    training = parser.add_argument_group("training")
+    training.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the sample order")
+    training.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    training.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    training.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    training.add_argument("--warmup-steps", type=int, default=20, help="steps of linear warm-up before cosine decay")
+    training.add_argument("--weight-decay", type=float, default=0.1)
+    training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
+    training.add_argument("--max-steps", type=int, default=200,
+                          help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
+                               "one would)")
+    training.add_argument("--num-epochs", type=int, default=None,
+                          help="train for this many passes over the data set instead of --max-steps")
+    training.add_argument("--exit-after-steps", type=int, default=None,
+                          help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time "
+                               "limit")
+    checkpoints = parser.add_argument_group("checkpoints and logging")
+    checkpoints.add_argument("-e", "--experiment-name", default="quickstart",
+                             help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
+    checkpoints.add_argument("--save-dir", default="outputs", help="parent folder of all experiment folders")
+    checkpoints.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
+    checkpoints.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
+    checkpoints.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
+                             help="default: online if you are logged in to wandb, offline otherwise")
+    checkpoints.add_argument("--wandb-project", default="distributed-training-guide")
+    parallelism = parser.add_argument_group("parallelism")
+    parallelism.add_argument("--cpu-offload", action="store_true",
+                             help="keep parameters, gradients and optimizer state in CPU memory; the optimizer steps "
+                                  "on the CPU (CUDA only)")
+    parallelism.add_argument("--dist-timeout", type=int, default=600,
+                             help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
+                                  "the process group's timeout, the same for every backend")
+    parallelism.add_argument("--rdzv-timeout", type=int, default=300,
+                             help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
+                                  "by srun or mpirun, before giving up")
     return parser
 
 
