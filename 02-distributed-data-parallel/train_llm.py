@@ -72,8 +72,13 @@ def main():
     # 1. The model: built from its config (untrained), every parameter initialized from the seed.
     with rank_zero_first():
         config = load_model_config(args.model_name)
-    check_sequence_length(args.seq_length, config)
-    check_attention_implementation(args.attn_implementation, device)
+    require(args.seq_length <= config.max_position_embeddings, f"--seq-length {args.seq_length} is longer than the "
+            f"model's maximum of {config.max_position_embeddings} positions (max_position_embeddings); use a smaller "
+            "--seq-length")
+    flash_attn_ready = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    require(args.attn_implementation != "flash_attention_2" or flash_attn_ready,
+            "--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install "
+            "flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
     with device:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
     init_weights(model, args.seed)
@@ -91,7 +96,9 @@ def main():
         dataset = load_and_tokenize_dataset(args, tokenizer)
     samples_per_step = args.batch_size * args.grad_accum * world_size
     steps_per_epoch = len(dataset) // samples_per_step
-    check_dataset_size(len(dataset), samples_per_step, args)
+    require(len(dataset) >= samples_per_step, f"the data set has {len(dataset)} sequences of {args.seq_length} "
+            f"tokens, fewer than the {samples_per_step} one optimizer step needs; use more data or a smaller "
+            "--batch-size, --grad-accum or --seq-length")
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
@@ -286,16 +293,20 @@ def parse_args():
     for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
                  "ckpt_freq", "dist_timeout"]:
         value = getattr(args, name)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.warmup_steps < 0 or args.num_workers < 0:
-        fail("--warmup-steps and --num-workers cannot be negative")
+        require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
     return args
 
 
 def fail(message):
     """Stop with a one-line error on stderr and exit status 1: for mistakes in the input, not bugs."""
     raise SystemExit(f"error: {message}")
+
+
+def require(condition, message):
+    """An input rule, stated where the input is used: fail(message) unless the condition holds."""
+    if not condition:
+        fail(message)
 
 
 def setup_logging(rank):
@@ -317,9 +328,9 @@ def get_device(local_rank):
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
-    if num_gpus > 1 and local_rank >= num_gpus:
-        fail(f"local rank {local_rank} but this process sees only {num_gpus} GPUs (CUDA_VISIBLE_DEVICES="
-             f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per GPU on each node")
+    require(num_gpus <= 1 or local_rank < num_gpus, f"local rank {local_rank} but this process sees only {num_gpus} "
+            f"GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per "
+            "GPU on each node")
     return torch.device("cuda", local_rank if num_gpus > 1 else 0)
 
 
@@ -359,20 +370,6 @@ def load_model_config(model_name):
         first_line = str(error).strip().splitlines()[0]
         fail(f"cannot load a model config from {model_name!r} ({first_line}); "
              "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
-
-
-def check_sequence_length(seq_length, config):
-    if seq_length > config.max_position_embeddings:
-        fail(f"--seq-length {seq_length} is longer than the model's maximum of {config.max_position_embeddings} "
-             "positions (max_position_embeddings); use a smaller --seq-length")
-
-
-def check_attention_implementation(attn_implementation, device):
-    if attn_implementation != "flash_attention_2":
-        return
-    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
-        fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
-             "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
 
 
 def get_attention_kwargs(attn_implementation, input_ids):
@@ -434,9 +431,8 @@ def load_and_tokenize_dataset(args, tokenizer):
     if not cache_dir.exists():
         LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
         raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
-        if args.text_column not in raw_dataset.column_names:
-            fail(f"the data set has no column {args.text_column!r} (it has {raw_dataset.column_names}); "
-                 "pass --text-column with the column that holds the text")
+        require(args.text_column in raw_dataset.column_names, f"the data set has no column {args.text_column!r} (it "
+                f"has {raw_dataset.column_names}); pass --text-column with the column that holds the text")
         tokenized = raw_dataset.map(
             lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
             batched=True,
@@ -449,9 +445,8 @@ def load_and_tokenize_dataset(args, tokenizer):
             batch_size=10_000,
             desc="chunking",
         )
-        if len(chunked) == 0:
-            fail(f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more data or a "
-                 "smaller --seq-length")
+        require(len(chunked) != 0, f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more "
+                "data or a smaller --seq-length")
         # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
@@ -479,13 +474,6 @@ def load_raw_dataset(dataset_name, dataset_subset):
 def cut_into_chunks(token_lists, seq_length):
     stream = [token for tokens in token_lists for token in tokens]
     return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
-
-
-def check_dataset_size(num_sequences, samples_per_step, args):
-    if num_sequences < samples_per_step:
-        fail(f"the data set has {num_sequences} sequences of {args.seq_length} tokens, fewer than the "
-             f"{samples_per_step} one optimizer step needs; use more data or a smaller --batch-size, --grad-accum "
-             "or --seq-length")
 
 
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
@@ -592,7 +580,13 @@ def write_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state
 
 
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, device):
-    check_checkpoint_matches_model(checkpoint_dir, config)
+    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
+    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads"]
+    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
+                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
+    require(not different, f"the checkpoint {checkpoint_dir} was saved from a different model "
+            f"({', '.join(different)}); use another --experiment-name or --save-dir, or the model it was trained with")
     # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
     # Without map_location, torch.load puts every tensor back on the device it was saved from: for a checkpoint
     # written by rank 0 of a GPU job, cuda:0, so all 8 processes of a node would load the whole model and optimizer
@@ -603,17 +597,6 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state
-
-
-def check_checkpoint_matches_model(checkpoint_dir, config):
-    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
-    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads"]
-    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
-                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
-    if different:
-        fail(f"the checkpoint {checkpoint_dir} was saved from a different model ({', '.join(different)}); "
-             "use another --experiment-name or --save-dir, or the model it was trained with")
 
 
 # NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume

@@ -80,8 +80,13 @@ def main():
     # 1. The model: built from its config (untrained), cut into stages, every parameter initialized from the seed.
     with rank_zero_first():
         config = load_model_config(args.model_name)
-    check_sequence_length(args.seq_length, config)
-    check_attention_implementation(args.attn_implementation, device)
+    require(args.seq_length <= config.max_position_embeddings, f"--seq-length {args.seq_length} is longer than the "
+            f"model's maximum of {config.max_position_embeddings} positions (max_position_embeddings); use a smaller "
+            "--seq-length")
+    flash_attn_ready = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    require(args.attn_implementation != "flash_attention_2" or flash_attn_ready,
+            "--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install "
+            "flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     # NOTE: the pp dimension first: consecutive ranks (one node's GPUs) hold the same stage and shard it between
     # them with FSDP; only the activations at the stage boundaries cross to the next row (the next node).
@@ -117,7 +122,9 @@ def main():
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     samples_per_step = args.batch_size * args.grad_accum * dp_size
     steps_per_epoch = len(dataset) // samples_per_step
-    check_dataset_size(len(dataset), samples_per_step, args)
+    require(len(dataset) >= samples_per_step, f"the data set has {len(dataset)} sequences of {args.seq_length} "
+            f"tokens, fewer than the {samples_per_step} one optimizer step needs; use more data or a smaller "
+            "--batch-size, --grad-accum or --seq-length")
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
@@ -337,16 +344,20 @@ def parse_args():
     for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
                  "ckpt_freq", "dist_timeout"]:
         value = getattr(args, name)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.warmup_steps < 0 or args.num_workers < 0:
-        fail("--warmup-steps and --num-workers cannot be negative")
+        require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
     return args
 
 
 def fail(message):
     """Stop with a one-line error on stderr and exit status 1: for mistakes in the input, not bugs."""
     raise SystemExit(f"error: {message}")
+
+
+def require(condition, message):
+    """An input rule, stated where the input is used: fail(message) unless the condition holds."""
+    if not condition:
+        fail(message)
 
 
 def get_distributed_environment(rdzv_timeout):
@@ -374,9 +385,9 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "python (a single process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
-    if "MASTER_ADDR" not in environment or "MASTER_PORT" not in environment:
-        fail(f"started by {launcher} without MASTER_ADDR and MASTER_PORT; export them in the job script, set to the "
-             "first node of the job and a free port (see job-srun.sbatch and mpirun.sh)")
+    require("MASTER_ADDR" in environment and "MASTER_PORT" in environment, f"started by {launcher} without "
+            "MASTER_ADDR and MASTER_PORT; export them in the job script, set to the first node of the job and a free "
+            "port (see job-srun.sbatch and mpirun.sh)")
     rank = int(environment["RANK"])
     if launcher in ("srun", "mpirun") and rank != 0:
         wait_for_rendezvous(environment["MASTER_ADDR"], int(environment["MASTER_PORT"]), rdzv_timeout, rank)
@@ -395,10 +406,9 @@ def wait_for_rendezvous(host, port, timeout, rank):
             socket.create_connection((host, port), timeout=5).close()
             return
         except OSError as error:
-            if time.monotonic() > deadline:
-                fail(f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous endpoint {host}:{port} "
-                     f"after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT and the firewall, and that rank 0 "
-                     "started")
+            require(time.monotonic() <= deadline, f"rank {rank} on {socket.gethostname()} cannot reach the "
+                    f"rendezvous endpoint {host}:{port} after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT "
+                    "and the firewall, and that rank 0 started")
             time.sleep(1)
 
 
@@ -427,9 +437,9 @@ def get_device(local_rank):
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
-    if num_gpus > 1 and local_rank >= num_gpus:
-        fail(f"local rank {local_rank} but this process sees only {num_gpus} GPUs (CUDA_VISIBLE_DEVICES="
-             f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per GPU on each node")
+    require(num_gpus <= 1 or local_rank < num_gpus, f"local rank {local_rank} but this process sees only {num_gpus} "
+            f"GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per "
+            "GPU on each node")
     return torch.device("cuda", local_rank if num_gpus > 1 else 0)
 
 
@@ -471,20 +481,6 @@ def load_model_config(model_name):
              "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
 
 
-def check_sequence_length(seq_length, config):
-    if seq_length > config.max_position_embeddings:
-        fail(f"--seq-length {seq_length} is longer than the model's maximum of {config.max_position_embeddings} "
-             "positions (max_position_embeddings); use a smaller --seq-length")
-
-
-def check_attention_implementation(attn_implementation, device):
-    if attn_implementation != "flash_attention_2":
-        return
-    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
-        fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
-             "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
-
-
 def get_attention_kwargs(attn_implementation, input_ids):
     """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
 
@@ -508,37 +504,35 @@ PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Int
 
 def check_pipeline_layout(args, world_size, config):
     """The stages per rank and the micro-batches per micro-step, or a one-line error if they cannot be made."""
-    if args.pp < 1 or world_size % args.pp != 0:
-        fail(f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}, usually "
-             "the number of nodes (each pipeline stage on the GPUs of one node)")
+    require(args.pp >= 1 and world_size % args.pp == 0, f"--pp {args.pp} does not divide the world size "
+            f"{world_size}; use a divisor of {world_size}, usually the number of nodes (each pipeline stage on the "
+            "GPUs of one node)")
     one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
     stages_per_rank = args.pp_stages_per_rank or (1 if one_stage_per_rank else 2)
-    if one_stage_per_rank and stages_per_rank != 1:
-        fail(f"--pp-schedule {args.pp_schedule} runs one stage per rank, not --pp-stages-per-rank {stages_per_rank}; "
-             "use --pp-schedule interleaved-1f1b for several")
-    if not one_stage_per_rank and stages_per_rank < 2:
-        fail(f"--pp-schedule {args.pp_schedule} interleaves several stages on each rank, not "
-             f"--pp-stages-per-rank {stages_per_rank}; use 2 or more, or --pp-schedule 1f1b")
+    require(not one_stage_per_rank or stages_per_rank == 1, f"--pp-schedule {args.pp_schedule} runs one stage per "
+            f"rank, not --pp-stages-per-rank {stages_per_rank}; use --pp-schedule interleaved-1f1b for several")
+    require(one_stage_per_rank or stages_per_rank >= 2, f"--pp-schedule {args.pp_schedule} interleaves several "
+            f"stages on each rank, not --pp-stages-per-rank {stages_per_rank}; use 2 or more, or --pp-schedule 1f1b")
     num_stages = args.pp * stages_per_rank
-    if num_stages > config.num_hidden_layers:
-        fail(f"{num_stages} pipeline stages (--pp {args.pp} x {stages_per_rank} per rank) for a model of "
-             f"{config.num_hidden_layers} decoder layers: every stage needs at least one; use fewer stages")
-    if num_stages > 1 and config.tie_word_embeddings:
-        fail("the model ties its output head to its input embeddings (tie_word_embeddings), and the first and last "
-             "pipeline stages cannot share one weight; use --pp 1 with --pp-schedule 1f1b or gpipe, or an untied model")
+    require(num_stages <= config.num_hidden_layers, f"{num_stages} pipeline stages (--pp {args.pp} x "
+            f"{stages_per_rank} per rank) for a model of {config.num_hidden_layers} decoder layers: every stage "
+            "needs at least one; use fewer stages")
+    require(num_stages <= 1 or not config.tie_word_embeddings, "the model ties its output head to its input "
+            "embeddings (tie_word_embeddings), and the first and last pipeline stages cannot share one weight; use "
+            "--pp 1 with --pp-schedule 1f1b or gpipe, or an untied model")
     num_microbatches = args.pp_microbatches or args.batch_size
-    if num_microbatches < 1 or args.batch_size % num_microbatches != 0:
-        fail(f"--pp-microbatches {num_microbatches} does not divide --batch-size {args.batch_size}; use a divisor of "
-             f"{args.batch_size} (or a --batch-size that it divides)")
+    require(num_microbatches >= 1 and args.batch_size % num_microbatches == 0, "--pp-microbatches "
+            f"{num_microbatches} does not divide --batch-size {args.batch_size}; use a divisor of {args.batch_size} "
+            "(or a --batch-size that it divides)")
     # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward: there must be enough.
-    if args.pp_schedule == "1f1b" and num_microbatches < num_stages:
-        fail(f"--pp-schedule 1f1b needs at least one micro-batch per stage, {num_stages}, not --pp-microbatches "
-             f"{num_microbatches}; use more micro-batches (and a --batch-size they divide), or --pp-schedule gpipe")
+    require(args.pp_schedule != "1f1b" or num_microbatches >= num_stages, "--pp-schedule 1f1b needs at least one "
+            f"micro-batch per stage, {num_stages}, not --pp-microbatches {num_microbatches}; use more micro-batches "
+            "(and a --batch-size they divide), or --pp-schedule gpipe")
     # NOTE: the interleaved schedule runs the micro-batches in rounds of up to --pp of them, all rounds equal.
     rounds = max(1, num_microbatches // args.pp)
-    if not one_stage_per_rank and num_microbatches % rounds != 0:
-        fail(f"--pp-schedule {args.pp_schedule} runs the micro-batches in {rounds} equal rounds, which "
-             f"--pp-microbatches {num_microbatches} cannot make; use a multiple of --pp {args.pp}, or fewer than it")
+    require(one_stage_per_rank or num_microbatches % rounds == 0, f"--pp-schedule {args.pp_schedule} runs the "
+            f"micro-batches in {rounds} equal rounds, which --pp-microbatches {num_microbatches} cannot make; use a "
+            f"multiple of --pp {args.pp}, or fewer than it")
     return stages_per_rank, num_microbatches
 
 
@@ -697,9 +691,8 @@ def load_and_tokenize_dataset(args, tokenizer):
     if not cache_dir.exists():
         LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
         raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
-        if args.text_column not in raw_dataset.column_names:
-            fail(f"the data set has no column {args.text_column!r} (it has {raw_dataset.column_names}); "
-                 "pass --text-column with the column that holds the text")
+        require(args.text_column in raw_dataset.column_names, f"the data set has no column {args.text_column!r} (it "
+                f"has {raw_dataset.column_names}); pass --text-column with the column that holds the text")
         tokenized = raw_dataset.map(
             lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
             batched=True,
@@ -712,9 +705,8 @@ def load_and_tokenize_dataset(args, tokenizer):
             batch_size=10_000,
             desc="chunking",
         )
-        if len(chunked) == 0:
-            fail(f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more data or a "
-                 "smaller --seq-length")
+        require(len(chunked) != 0, f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more "
+                "data or a smaller --seq-length")
         # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
@@ -742,13 +734,6 @@ def load_raw_dataset(dataset_name, dataset_subset):
 def cut_into_chunks(token_lists, seq_length):
     stream = [token for tokens in token_lists for token in tokens]
     return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
-
-
-def check_dataset_size(num_sequences, samples_per_step, args):
-    if num_sequences < samples_per_step:
-        fail(f"the data set has {num_sequences} sequences of {args.seq_length} tokens, fewer than the "
-             f"{samples_per_step} one optimizer step needs; use more data or a smaller --batch-size, --grad-accum "
-             "or --seq-length")
 
 
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
@@ -862,7 +847,13 @@ def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
 
 
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
-    check_checkpoint_matches_model(checkpoint_dir, config)
+    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
+    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads"]
+    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
+                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
+    require(not different, f"the checkpoint {checkpoint_dir} was saved from a different model "
+            f"({', '.join(different)}); use another --experiment-name or --save-dir, or the model it was trained with")
     # NOTE: dcp.load() fills the given state dicts in place, each rank reading just the slices of its own shards,
     # whatever the world size that saved them: resuming on more or fewer GPUs reshards on the fly.
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -874,17 +865,6 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state
-
-
-def check_checkpoint_matches_model(checkpoint_dir, config):
-    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
-    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads"]
-    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
-                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
-    if different:
-        fail(f"the checkpoint {checkpoint_dir} was saved from a different model ({', '.join(different)}); "
-             "use another --experiment-name or --save-dir, or the model it was trained with")
 
 
 # NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume

@@ -82,9 +82,15 @@ def main():
     # 1. The model: built from its config (untrained), every parameter initialized from the seed.
     with rank_zero_first():
         config = load_model_config(args.model_name)
-    check_sequence_length(args.seq_length, config)
-    check_attention_implementation(args.attn_implementation, device)
-    check_cpu_offload(args.cpu_offload, device)
+    require(args.seq_length <= config.max_position_embeddings, f"--seq-length {args.seq_length} is longer than the "
+            f"model's maximum of {config.max_position_embeddings} positions (max_position_embeddings); use a smaller "
+            "--seq-length")
+    flash_attn_ready = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    require(args.attn_implementation != "flash_attention_2" or flash_attn_ready,
+            "--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install "
+            "flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
+    require(not args.cpu_offload or device.type == "cuda", "--cpu-offload moves GPU memory to the CPU and needs "
+            "CUDA; leave it out on a machine without a GPU")
     mesh = get_device_mesh(device, world_size, args.cp)
     check_context_parallel(args, config, device)
     cp_mesh, load_balance = mesh["cp"], args.cp_load_balance == "on"
@@ -118,7 +124,9 @@ def main():
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     samples_per_step = args.batch_size * args.grad_accum * dp_size
     steps_per_epoch = len(dataset) // samples_per_step
-    check_dataset_size(len(dataset), samples_per_step, args)
+    require(len(dataset) >= samples_per_step, f"the data set has {len(dataset)} sequences of {args.seq_length} "
+            f"tokens, fewer than the {samples_per_step} one optimizer step needs; use more data or a smaller "
+            "--batch-size, --grad-accum or --seq-length")
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
@@ -330,16 +338,20 @@ def parse_args():
     for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
                  "ckpt_freq", "dist_timeout"]:
         value = getattr(args, name)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.warmup_steps < 0 or args.num_workers < 0:
-        fail("--warmup-steps and --num-workers cannot be negative")
+        require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
     return args
 
 
 def fail(message):
     """Stop with a one-line error on stderr and exit status 1: for mistakes in the input, not bugs."""
     raise SystemExit(f"error: {message}")
+
+
+def require(condition, message):
+    """An input rule, stated where the input is used: fail(message) unless the condition holds."""
+    if not condition:
+        fail(message)
 
 
 def get_distributed_environment(rdzv_timeout):
@@ -367,9 +379,9 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "python (a single process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
-    if "MASTER_ADDR" not in environment or "MASTER_PORT" not in environment:
-        fail(f"started by {launcher} without MASTER_ADDR and MASTER_PORT; export them in the job script, set to the "
-             "first node of the job and a free port (see job-srun.sbatch and mpirun.sh)")
+    require("MASTER_ADDR" in environment and "MASTER_PORT" in environment, f"started by {launcher} without "
+            "MASTER_ADDR and MASTER_PORT; export them in the job script, set to the first node of the job and a free "
+            "port (see job-srun.sbatch and mpirun.sh)")
     rank = int(environment["RANK"])
     if launcher in ("srun", "mpirun") and rank != 0:
         wait_for_rendezvous(environment["MASTER_ADDR"], int(environment["MASTER_PORT"]), rdzv_timeout, rank)
@@ -388,10 +400,9 @@ def wait_for_rendezvous(host, port, timeout, rank):
             socket.create_connection((host, port), timeout=5).close()
             return
         except OSError as error:
-            if time.monotonic() > deadline:
-                fail(f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous endpoint {host}:{port} "
-                     f"after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT and the firewall, and that rank 0 "
-                     "started")
+            require(time.monotonic() <= deadline, f"rank {rank} on {socket.gethostname()} cannot reach the "
+                    f"rendezvous endpoint {host}:{port} after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT "
+                    "and the firewall, and that rank 0 started")
             time.sleep(1)
 
 
@@ -420,9 +431,9 @@ def get_device(local_rank):
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
-    if num_gpus > 1 and local_rank >= num_gpus:
-        fail(f"local rank {local_rank} but this process sees only {num_gpus} GPUs (CUDA_VISIBLE_DEVICES="
-             f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per GPU on each node")
+    require(num_gpus <= 1 or local_rank < num_gpus, f"local rank {local_rank} but this process sees only {num_gpus} "
+            f"GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per "
+            "GPU on each node")
     return torch.device("cuda", local_rank if num_gpus > 1 else 0)
 
 
@@ -464,20 +475,6 @@ def load_model_config(model_name):
              "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
 
 
-def check_sequence_length(seq_length, config):
-    if seq_length > config.max_position_embeddings:
-        fail(f"--seq-length {seq_length} is longer than the model's maximum of {config.max_position_embeddings} "
-             "positions (max_position_embeddings); use a smaller --seq-length")
-
-
-def check_attention_implementation(attn_implementation, device):
-    if attn_implementation != "flash_attention_2":
-        return
-    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
-        fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
-             "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
-
-
 def get_attention_kwargs(attn_implementation, input_ids):
     """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
 
@@ -495,11 +492,6 @@ def get_attention_kwargs(attn_implementation, input_ids):
             "max_length_k": seq_length}
 
 
-def check_cpu_offload(cpu_offload, device):
-    if cpu_offload and device.type != "cuda":
-        fail("--cpu-offload moves GPU memory to the CPU and needs CUDA; leave it out on a machine without a GPU")
-
-
 def get_device_mesh(device, world_size, cp_degree):
     """Lay the ranks out on a (dp, cp) grid: consecutive ranks (one node's GPUs) split the same sequences.
 
@@ -507,9 +499,8 @@ def get_device_mesh(device, world_size, cp_degree):
     group, ranks 4-7 another, and ranks 0 and 4 share a dp group. Ring attention passes key/value blocks between
     the ranks of a cp group in every layer: over NVLink inside a node, not over the network.
     """
-    if cp_degree < 1 or world_size % cp_degree != 0:
-        fail(f"--cp {cp_degree} does not divide the world size {world_size}; use a divisor of {world_size}, "
-             "usually the number of GPUs per node or fewer")
+    require(cp_degree >= 1 and world_size % cp_degree == 0, f"--cp {cp_degree} does not divide the world size "
+            f"{world_size}; use a divisor of {world_size}, usually the number of GPUs per node or fewer")
     return init_device_mesh(device.type, (world_size // cp_degree, cp_degree), mesh_dim_names=("dp", "cp"))
 
 
@@ -518,28 +509,27 @@ def check_context_parallel(args, config, device):
     if args.cp <= 1:
         return
     chunks = 2 * args.cp if args.cp_load_balance == "on" else args.cp
-    if args.seq_length % chunks != 0:
-        how = f"2 x --cp {args.cp} = {chunks} equal chunks (with load balancing each rank holds two)" \
-            if args.cp_load_balance == "on" else f"--cp {args.cp} equal chunks"
-        fail(f"--seq-length {args.seq_length} does not split into {how}; use a multiple of {chunks}")
-    if args.attn_implementation != "sdpa":
-        fail(f"--attn-implementation {args.attn_implementation} cannot be split across context-parallel ranks; "
-             f"with --cp {args.cp} the attention is --cp-attention {args.cp_attention}: leave --attn-implementation "
-             "at sdpa")
-    if args.cp_attention == "all-to-all" and config.num_key_value_heads % args.cp != 0:
-        fail(f"--cp-attention all-to-all gives each of the --cp {args.cp} ranks whole key/value heads, and "
-             f"{config.num_key_value_heads} key/value heads (num_key_value_heads) do not divide into {args.cp}; use "
-             f"a --cp that divides {config.num_key_value_heads}, or --cp-attention ring")
-    if args.cp_attention == "pytorch" and device.type != "cuda":
-        fail("--cp-attention pytorch runs PyTorch's context_parallel(), which splits only CUDA's flash, "
-             "memory-efficient and cuDNN attention kernels; on the CPU use --cp-attention ring or all-to-all")
+    how = f"2 x --cp {args.cp} = {chunks} equal chunks (with load balancing each rank holds two)" \
+        if args.cp_load_balance == "on" else f"--cp {args.cp} equal chunks"
+    require(args.seq_length % chunks == 0,
+            f"--seq-length {args.seq_length} does not split into {how}; use a multiple of {chunks}")
+    require(args.attn_implementation == "sdpa", f"--attn-implementation {args.attn_implementation} cannot be split "
+            f"across context-parallel ranks; with --cp {args.cp} the attention is --cp-attention "
+            f"{args.cp_attention}: leave --attn-implementation at sdpa")
+    require(args.cp_attention != "all-to-all" or config.num_key_value_heads % args.cp == 0,
+            f"--cp-attention all-to-all gives each of the --cp {args.cp} ranks whole key/value heads, and "
+            f"{config.num_key_value_heads} key/value heads (num_key_value_heads) do not divide into {args.cp}; use a "
+            f"--cp that divides {config.num_key_value_heads}, or --cp-attention ring")
+    require(args.cp_attention != "pytorch" or device.type == "cuda", "--cp-attention pytorch runs PyTorch's "
+            "context_parallel(), which splits only CUDA's flash, memory-efficient and cuDNN attention kernels; on "
+            "the CPU use --cp-attention ring or all-to-all")
     # NOTE: the forms below compute plain causal attention: a sliding window or attention dropout would be lost.
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        fail(f"the model uses sliding-window attention (sliding_window {config.sliding_window}), which this "
-             "chapter's attention across the split does not compute; use a model with full causal attention")
-    if getattr(config, "attention_dropout", 0.0):
-        fail(f"the model has attention dropout ({config.attention_dropout}), which this chapter's attention across "
-             "the split does not apply; set attention_dropout to 0 in its config")
+    sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    require(not sliding_window, f"the model uses sliding-window attention (sliding_window {sliding_window}), which "
+            "this chapter's attention across the split does not compute; use a model with full causal attention")
+    attention_dropout = getattr(config, "attention_dropout", 0.0)
+    require(not attention_dropout, f"the model has attention dropout ({attention_dropout}), which this chapter's "
+            "attention across the split does not apply; set attention_dropout to 0 in its config")
 
 
 def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
@@ -938,9 +928,8 @@ def load_and_tokenize_dataset(args, tokenizer):
     if not cache_dir.exists():
         LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
         raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
-        if args.text_column not in raw_dataset.column_names:
-            fail(f"the data set has no column {args.text_column!r} (it has {raw_dataset.column_names}); "
-                 "pass --text-column with the column that holds the text")
+        require(args.text_column in raw_dataset.column_names, f"the data set has no column {args.text_column!r} (it "
+                f"has {raw_dataset.column_names}); pass --text-column with the column that holds the text")
         tokenized = raw_dataset.map(
             lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
             batched=True,
@@ -953,9 +942,8 @@ def load_and_tokenize_dataset(args, tokenizer):
             batch_size=10_000,
             desc="chunking",
         )
-        if len(chunked) == 0:
-            fail(f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more data or a "
-                 "smaller --seq-length")
+        require(len(chunked) != 0, f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more "
+                "data or a smaller --seq-length")
         # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
@@ -983,13 +971,6 @@ def load_raw_dataset(dataset_name, dataset_subset):
 def cut_into_chunks(token_lists, seq_length):
     stream = [token for tokens in token_lists for token in tokens]
     return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
-
-
-def check_dataset_size(num_sequences, samples_per_step, args):
-    if num_sequences < samples_per_step:
-        fail(f"the data set has {num_sequences} sequences of {args.seq_length} tokens, fewer than the "
-             f"{samples_per_step} one optimizer step needs; use more data or a smaller --batch-size, --grad-accum "
-             "or --seq-length")
 
 
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
@@ -1097,7 +1078,13 @@ def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
 
 
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
-    check_checkpoint_matches_model(checkpoint_dir, config)
+    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
+    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads"]
+    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
+                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
+    require(not different, f"the checkpoint {checkpoint_dir} was saved from a different model "
+            f"({', '.join(different)}); use another --experiment-name or --save-dir, or the model it was trained with")
     # NOTE: dcp.load() fills the given state dicts in place, each rank reading just the slices of its own shards,
     # whatever the world size that saved them: resuming on more or fewer GPUs reshards on the fly.
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -1109,17 +1096,6 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state
-
-
-def check_checkpoint_matches_model(checkpoint_dir, config):
-    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
-    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads"]
-    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
-                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
-    if different:
-        fail(f"the checkpoint {checkpoint_dir} was saved from a different model ({', '.join(different)}); "
-             "use another --experiment-name or --save-dir, or the model it was trained with")
 
 
 # NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
