@@ -467,17 +467,16 @@ def shard_model(model, dtype, cpu_offload):
     """
     # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
     # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
-    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    fsdp_config = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                       offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     layers = model.model.layers
     for index, layer in enumerate(layers):
         # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
         # again for its backward: memory of one layer instead of all, for one more all-gather. The last layer
         # is the first to run backward, right after forward, so freeing it would only gather it again at once.
-        fully_shard(layer, mp_policy=mp_policy, offload_policy=offload_policy,
-                    reshard_after_forward=index < len(layers) - 1)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
     # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
-    fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=False)
+    fully_shard(model, **fsdp_config, reshard_after_forward=False)
 
 
 @torch.no_grad()

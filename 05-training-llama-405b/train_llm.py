@@ -562,15 +562,14 @@ def shard_model(model, dtype, cpu_offload):
     """
     # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
     # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
-    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    fsdp_config = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                       offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     layers = model.model.layers
     for index, layer in enumerate(layers):
         # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
         # again for its backward: memory of one layer instead of all, for one more all-gather. The last layer
         # is the first to run backward, right after forward, so freeing it would only gather it again at once.
-        fully_shard(layer, mp_policy=mp_policy, offload_policy=offload_policy,
-                    reshard_after_forward=index < len(layers) - 1)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
     # NOTE: at 405B the input embedding and the output head are 2.1B parameters each, two thirds of a decoder layer.
     # In chapter 04's root group both stay gathered for the whole step; here the embedding is a group that is freed
     # after its forward, and the final norm and the head, which run last in forward and first in backward, a group
@@ -579,9 +578,9 @@ def shard_model(model, dtype, cpu_offload):
     if model.config.tie_word_embeddings:
         output_group.append(model.model.embed_tokens)
     else:
-        fully_shard(model.model.embed_tokens, mp_policy=mp_policy, offload_policy=offload_policy)
-    fully_shard(output_group, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=False)
-    fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy)
+        fully_shard(model.model.embed_tokens, **fsdp_config)
+    fully_shard(output_group, **fsdp_config, reshard_after_forward=False)
+    fully_shard(model, **fsdp_config)
     # NOTE: prefetching. By default a layer's all-gather is issued when the CPU reaches that layer's forward; it
     # overlaps the previous layer's compute only if the CPU runs ahead of the GPU. With CPU offload (a host-to-device
     # copy before each all-gather) or a slow CPU it does not, and the GPU waits. Explicit prefetching issues layer

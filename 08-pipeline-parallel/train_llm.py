@@ -617,7 +617,7 @@ def shard_model(stage, dp_mesh, dtype, pp_degree):
     """
     # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
     # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
-    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    fsdp_config = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     layers = list(stage.layers.values())
     for index, layer in enumerate(layers):
         # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
@@ -626,10 +626,9 @@ def shard_model(stage, dp_mesh, dtype, pp_degree):
         # In a pipeline each layer runs a forward for every micro-batch, and its backwards come later: resharding
         # would all-gather it again for every micro-batch, twice. With pp > 1 the stage's layers stay gathered
         # through the step (torchtitan's default too): the stage is 1/pp of the model, and that is the memory.
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy,
-                    reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
     # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
-    fully_shard(stage, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
+    fully_shard(stage, **fsdp_config, reshard_after_forward=False)
 
 
 @torch.no_grad()

@@ -563,17 +563,16 @@ def shard_model(model, mesh, dtype, cpu_offload):
     """
     # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
     # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
-    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    offload_policy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                       offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     layers = model.model.layers
     for index, layer in enumerate(layers):
         # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
         # again for its backward: memory of one layer instead of all, for one more all-gather. The last layer
         # is the first to run backward, right after forward, so freeing it would only gather it again at once.
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
-                    reshard_after_forward=index < len(layers) - 1)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
     # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy, reshard_after_forward=False)
+    fully_shard(model, **fsdp_config, reshard_after_forward=False)
     # NOTE: FSDP divides the summed gradients by its number of ranks, to average per-rank means. Each rank's loss
     # here is already its share of the global mean (its tokens' summed loss over the count of all predicted
     # tokens), so the gradients must be summed, not averaged: a divide factor of 1, with a plain SUM reduction
