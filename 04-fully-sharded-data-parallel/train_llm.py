@@ -1,4 +1,4 @@
-"""Chapter 04: Fully Sharded Data Parallel (FSDP2): parameters, gradients and optimizer state split across ranks.
+r"""Chapter 04: Fully Sharded Data Parallel (FSDP2): parameters, gradients and optimizer state split across ranks.
 
 Each rank keeps 1/world_size of every parameter, of its gradient and of its AdamW state. A layer's full weights
 exist only while that layer computes: all-gathered just before its forward and backward, freed right after.
@@ -10,7 +10,8 @@ On a machine without a GPU:
 
 On one node with 8 GPUs:
 
-    torchrun --standalone --nproc-per-node 8 04-fully-sharded-data-parallel/train_llm.py -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-fsdp
+    torchrun --standalone --nproc-per-node 8 04-fully-sharded-data-parallel/train_llm.py \
+        -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-fsdp
 """
 
 import argparse
@@ -70,7 +71,8 @@ def main():
                                 timeout=timeout)
     else:
         dist.init_process_group(backend="gloo", timeout=timeout)
-    dtype = get_compute_dtype(args.dtype, device)
+    auto_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto_dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
@@ -118,8 +120,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps)
-    )
+        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
     # 4. Resume: if the experiment directory holds a checkpoint, training continues from it.
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
@@ -130,15 +131,8 @@ def main():
 
     # 5. Experiment tracking: wandb (online if you are logged in, offline otherwise) and metrics.jsonl, on rank 0.
     if rank == 0:
-        wandb.init(
-            project=args.wandb_project,
-            name=args.experiment_name,
-            id=get_wandb_run_id(experiment_dir),
-            resume="allow",
-            dir=experiment_dir,
-            mode=get_wandb_mode(args.wandb_mode),
-            config=vars(args),
-        )
+        wandb.init(project=args.wandb_project, name=args.experiment_name, id=get_wandb_run_id(experiment_dir),
+                   resume="allow", dir=experiment_dir, mode=get_wandb_mode(args.wandb_mode), config=vars(args))
         metrics_file = open(experiment_dir / "metrics.jsonl", "a")
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
     peak_flops = get_peak_flops(device, dtype)
@@ -151,7 +145,8 @@ def main():
     steps_this_run = 0
     tokens_since_log = 0
     time_of_last_log = time.perf_counter()
-    reset_peak_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     done = train_state["step"] >= max_steps
     while not done:
         dataloader = get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
@@ -219,7 +214,8 @@ def main():
                 if rank == 0:
                     log_metrics(record, metrics_file)
                 tokens_since_log = 0
-                reset_peak_memory(device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
 
             if step % args.ckpt_freq == 0 or done:
                 save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank)
@@ -243,10 +239,8 @@ def main():
 
 
 def get_parser():
-    parser = argparse.ArgumentParser(
-        description="Train a Llama-style causal language model on one GPU, or on the CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(description="Train a Llama-style causal language model on one GPU, or on the CPU.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     model_and_data = parser.add_argument_group("model and data")
     model_and_data.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                                 help="Hugging Face hub name or local folder with config.json and the tokenizer")
@@ -379,12 +373,8 @@ def find_free_port():
 
 
 def setup_logging(rank):
-    logging.basicConfig(
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-        level=logging.INFO,
-        stream=sys.stdout,
-    )
+    logging.basicConfig(format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO, stream=sys.stdout)
 
 
 def get_device(local_rank):
@@ -401,12 +391,6 @@ def get_device(local_rank):
             f"GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per "
             "GPU on each node")
     return torch.device("cuda", local_rank if num_gpus > 1 else 0)
-
-
-def get_compute_dtype(name, device):
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 @contextlib.contextmanager
@@ -542,16 +526,9 @@ def load_and_tokenize_dataset(args, tokenizer):
                 f"has {raw_dataset.column_names}); pass --text-column with the column that holds the text")
         tokenized = raw_dataset.map(
             lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
-            batched=True,
-            remove_columns=raw_dataset.column_names,
-            desc="tokenizing",
-        )
-        chunked = tokenized.map(
-            lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
-            batched=True,
-            batch_size=10_000,
-            desc="chunking",
-        )
+            batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
+                                batched=True, batch_size=10_000, desc="chunking")
         require(len(chunked) != 0, f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more "
                 "data or a smaller --seq-length")
         # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
@@ -670,10 +647,8 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
 def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
     final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
-    torch.save(
-        {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
-        temporary_dir / "train_state.pt",
-    )
+    torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
+               temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
     # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
     # which saves that tokenizer next to the weights.
@@ -726,11 +701,8 @@ def set_rng_state(rng_state):
 
 def get_wandb_mode(requested_mode):
     """Online if you are logged in to wandb, offline otherwise: never stop and ask for an API key."""
-    if requested_mode is not None:
-        return requested_mode
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+    return requested_mode or os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False)
+                                                              else "offline")
 
 
 def get_wandb_run_id(experiment_dir):
@@ -759,18 +731,8 @@ def get_flops_per_token(model, config, seq_length):
 
 
 # Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "A10G": 70e12,
-    "B200": 2250e12,
-}
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
+                   "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
 
 def get_peak_flops(device, dtype):
@@ -788,10 +750,8 @@ def get_peak_flops(device, dtype):
 
 def get_memory_stats(device):
     if device.type == "cuda":
-        return {
-            "memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-            "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
-        }
+        return {"memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+                "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
     # NOTE: on Linux ru_maxrss is in kilobytes (on macOS in bytes): the peak resident memory of this process.
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"memory_rss_gb": max_rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
@@ -809,11 +769,6 @@ def log_memory_held(model, optimizer):
                           if torch.is_tensor(value) and value.dim() > 0)
     LOGGER.info(f"memory held by this rank: parameters {parameters / 1e6:.2f} MB, gradients {gradients / 1e6:.2f} MB, "
                 f"optimizer state {optimizer_state / 1e6:.2f} MB")
-
-
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def log_metrics(record, metrics_file):
