@@ -101,8 +101,7 @@ def main():
     model.train()
     timer = StepTimer(device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True)
-    steps_this_run = 0
-    tokens_since_log = 0
+    steps_this_run, tokens_since_log = 0, 0
     time_of_last_log = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -150,15 +149,10 @@ def main():
                 time_of_last_log = time.perf_counter()
                 tokens_per_second = tokens_since_log / seconds
                 record = {
-                    "step": step,
-                    "epoch": train_state["epoch"],
-                    "loss": loss_value,
-                    "lr": lr_scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_second": tokens_per_second,
+                    "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                     "mfu": tokens_per_second * flops_per_token / peak_flops if peak_flops else None,
-                    **get_memory_stats(device),
-                    **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
+                    **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
                 }
                 log_metrics(record, metrics_file)
                 tokens_since_log = 0
@@ -376,13 +370,8 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device):
     samples_per_step = args.batch_size * args.grad_accum
     num_samples = len(dataset) // samples_per_step * samples_per_step
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:num_samples])
-    return DataLoader(
-        remaining,
-        batch_size=args.batch_size,
-        collate_fn=stack_input_ids,
-        num_workers=args.num_workers,
-        pin_memory=device.type == "cuda",
-    )
+    return DataLoader(remaining, batch_size=args.batch_size, collate_fn=stack_input_ids, num_workers=args.num_workers,
+                      pin_memory=device.type == "cuda")
 
 
 def stack_input_ids(samples):

@@ -136,8 +136,7 @@ def main():
     timer = StepTimer(device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
-    steps_this_run = 0
-    tokens_since_log = 0
+    steps_this_run, tokens_since_log = 0, 0
     time_of_last_log = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -194,15 +193,10 @@ def main():
                 time_of_last_log = time.perf_counter()
                 tokens_per_second = tokens_since_log / seconds
                 record = {
-                    "step": step,
-                    "epoch": train_state["epoch"],
-                    "loss": loss_value,
-                    "lr": lr_scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_second": tokens_per_second,
+                    "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                     "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
-                    **get_memory_stats(device),
-                    **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
+                    **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
                 }
                 if rank == 0:
                     log_metrics(record, metrics_file)
@@ -517,23 +511,19 @@ def cut_into_chunks(token_lists, seq_length):
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
     """This rank's batches of one epoch in a seeded random order, starting after the samples already trained on.
 
-    NOTE: DistributedSampler draws the same permutation of the whole data set from (seed, epoch) as chapter 01 did,
-    and deals it out round-robin: rank r gets samples r, r + world_size, r + 2 * world_size, ... So the global
-    batch of every step holds exactly the samples chapter 01's batch held. set_epoch() gives each epoch a new order.
+    NOTE: the epoch's order is the permutation chapter 01 drew from (seed, epoch). It is cut after the samples the
+    whole job has seen so far, and only then dealt out round-robin by DistributedSampler (rank r gets samples r,
+    r + world_size, ...). Cutting before dealing is what lets a checkpoint written by 2 ranks resume on 3: the
+    data position is a count of global samples, whatever the world size that saw them.
     """
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
-    sampler.set_epoch(epoch)
+    generator = torch.Generator().manual_seed(args.seed + epoch)
+    sample_order = torch.randperm(len(dataset), generator=generator).tolist()
+    remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
+    sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
     samples_per_step = args.batch_size * args.grad_accum
-    num_samples = len(dataset) // world_size // samples_per_step * samples_per_step
-    remaining = Subset(dataset, list(sampler)[samples_seen_in_epoch // world_size:num_samples])
-    return DataLoader(
-        remaining,
-        batch_size=args.batch_size,
-        collate_fn=stack_input_ids,
-        num_workers=args.num_workers,
-        pin_memory=device.type == "cuda",
-    )
+    num_steps = len(sampler) // samples_per_step
+    return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
+                      collate_fn=stack_input_ids, num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
 def stack_input_ids(samples):

@@ -142,8 +142,7 @@ def main():
     timer = StepTimer(device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
-    steps_this_run = 0
-    tokens_since_log = 0
+    steps_this_run, tokens_since_log = 0, 0
     time_of_last_log = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -201,15 +200,10 @@ def main():
                 time_of_last_log = time.perf_counter()
                 tokens_per_second = tokens_since_log / seconds
                 record = {
-                    "step": step,
-                    "epoch": train_state["epoch"],
-                    "loss": loss_value,
-                    "lr": lr_scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_second": tokens_per_second,
+                    "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                     "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
-                    **get_memory_stats(device),
-                    **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
+                    **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
                 }
                 if rank == 0:
                     log_metrics(record, metrics_file)
@@ -574,13 +568,8 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
     samples_per_step = args.batch_size * args.grad_accum
     num_steps = len(sampler) // samples_per_step
-    return DataLoader(
-        Subset(remaining, list(sampler)[:num_steps * samples_per_step]),
-        batch_size=args.batch_size,
-        collate_fn=stack_input_ids,
-        num_workers=args.num_workers,
-        pin_memory=device.type == "cuda",
-    )
+    return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
+                      collate_fn=stack_input_ids, num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
 def stack_input_ids(samples):

@@ -92,7 +92,8 @@ def main():
     require(args.attn_implementation != "flash_attention_2" or flash_attn_ready,
             "--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install "
             "flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
-    tp_degree = args.tp if args.tp is not None else get_default_tp_degree(device)
+    # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
+    tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() if device.type == "cuda" else 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
     check_tensor_parallel_degree(tp_degree, config, args.seq_length)
     tp_mesh = mesh["tp"]
@@ -157,8 +158,7 @@ def main():
     timer = StepTimer(device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
-    steps_this_run = 0
-    tokens_since_log = 0
+    steps_this_run, tokens_since_log = 0, 0
     time_of_last_log = time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -217,15 +217,10 @@ def main():
                 time_of_last_log = time.perf_counter()
                 tokens_per_second = tokens_since_log / seconds
                 record = {
-                    "step": step,
-                    "epoch": train_state["epoch"],
-                    "loss": loss_value,
-                    "lr": lr_scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_second": tokens_per_second,
+                    "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                     "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
-                    **get_memory_stats(device),
-                    **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
+                    **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
                 }
                 if rank == 0:
                     log_metrics(record, metrics_file)
@@ -475,11 +470,6 @@ def check_tensor_parallel_degree(tp_degree, config, seq_length):
                 f"{config.num_attention_heads} heads, {config.intermediate_size} and the sequence length")
 
 
-def get_default_tp_degree(device):
-    """One node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node."""
-    return torch.cuda.device_count() if device.type == "cuda" else 1
-
-
 def get_device_mesh(device, world_size, tp_degree, dp_replicate):
     """Lay the ranks out on a grid: consecutive ranks (one node's GPUs) form a tensor-parallel group.
 
@@ -686,13 +676,8 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
     samples_per_step = args.batch_size * args.grad_accum
     num_steps = len(sampler) // samples_per_step
-    return DataLoader(
-        Subset(remaining, list(sampler)[:num_steps * samples_per_step]),
-        batch_size=args.batch_size,
-        collate_fn=stack_input_ids,
-        num_workers=args.num_workers,
-        pin_memory=device.type == "cuda",
-    )
+    return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
+                      collate_fn=stack_input_ids, num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
 def stack_input_ids(samples):
