@@ -1,4 +1,4 @@
-r"""Chapter 02: the same training on many GPUs with DistributedDataParallel (DDP).
+"""Chapter 02: the same training on many GPUs with DistributedDataParallel (DDP).
 
 Every process (rank) holds a full copy of the model, trains on its own share of each global batch, and averages
 gradients with the others before every optimizer step, so all copies stay identical.
@@ -9,7 +9,7 @@ On a machine without a GPU, two processes on the CPU:
 
 On one node with 8 GPUs:
 
-    torchrun --standalone --nproc-per-node 8 02-distributed-data-parallel/train_llm.py \
+    torchrun --standalone --nproc-per-node 8 02-distributed-data-parallel/train_llm.py \\
         -m meta-llama/Llama-3.2-3B -d tatsu-lab/alpaca -e llama-3b-ddp
 """
 

@@ -1,4 +1,4 @@
-r"""Chapter 04: Fully Sharded Data Parallel (FSDP2): parameters, gradients and optimizer state split across ranks.
+"""Chapter 04: Fully Sharded Data Parallel (FSDP2): parameters, gradients and optimizer state split across ranks.
 
 Each rank keeps 1/world_size of every parameter, of its gradient and of its AdamW state. A layer's full weights
 exist only while that layer computes: all-gathered just before its forward and backward, freed right after.
@@ -10,7 +10,7 @@ On a machine without a GPU:
 
 On one node with 8 GPUs:
 
-    torchrun --standalone --nproc-per-node 8 04-fully-sharded-data-parallel/train_llm.py \
+    torchrun --standalone --nproc-per-node 8 04-fully-sharded-data-parallel/train_llm.py \\
         -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-fsdp
 """
 

@@ -1,4 +1,4 @@
-r"""Chapter 06: tensor parallelism (TP): every layer's weights split across GPUs, with DTensor.
+"""Chapter 06: tensor parallelism (TP): every layer's weights split across GPUs, with DTensor.
 
 Each rank holds a column or row slice of every weight matrix and computes its part of every matmul; the ranks
 exchange activations inside each layer. All ranks together hold one copy of the model and train on one batch.
@@ -9,7 +9,7 @@ On a machine without a GPU:
 
 On one node with 8 GPUs:
 
-    torchrun --standalone --nproc-per-node 8 06-tensor-parallel/train_llm.py \
+    torchrun --standalone --nproc-per-node 8 06-tensor-parallel/train_llm.py \\
         -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-tp
 """
 

@@ -1,4 +1,4 @@
-r"""Chapter 07: 2D parallelism: tensor parallel inside each node, FSDP across nodes, on a 2D device mesh.
+"""Chapter 07: 2D parallelism: tensor parallel inside each node, FSDP across nodes, on a 2D device mesh.
 
 The ranks form a (dp, tp) grid. Each row of --tp ranks (one node's GPUs, joined by NVLink) splits every layer
 as in chapter 06; the rows shard the model between them as in chapter 04 and train on different batches.
@@ -9,7 +9,7 @@ On a machine without a GPU, 4 processes as 2 x 2:
 
 On 4 nodes of 8 GPUs, with chapter 03's job script (one torchrun per node):
 
-    TRAIN_SCRIPT=07-2d-parallel/train_llm.py sbatch --nodes 4 --gpus-per-node 8 03-job-launchers/job.sbatch \
+    TRAIN_SCRIPT=07-2d-parallel/train_llm.py sbatch --nodes 4 --gpus-per-node 8 03-job-launchers/job.sbatch \\
         --tp 8 -m meta-llama/Llama-3.1-70B -d tatsu-lab/alpaca -e llama-70b-2d
 """
 

@@ -1,4 +1,4 @@
-r"""Chapter 08: pipeline parallelism: the model's layers cut into stages, micro-batches flowing through them.
+"""Chapter 08: pipeline parallelism: the model's layers cut into stages, micro-batches flowing through them.
 
 The ranks form a (pp, dp) grid. Each row of dp ranks runs one stage, a run of consecutive decoder layers, and shards
 it between them with FSDP as in chapter 04. Each batch is cut into micro-batches that flow through the stages one
@@ -11,7 +11,7 @@ On a machine without a GPU, 2 stages:
 
 On 8 nodes of 8 GPUs, one stage per node, with chapter 03's job script (one torchrun per node):
 
-    TRAIN_SCRIPT=08-pipeline-parallel/train_llm.py sbatch --nodes 8 --gpus-per-node 8 03-job-launchers/job.sbatch \
+    TRAIN_SCRIPT=08-pipeline-parallel/train_llm.py sbatch --nodes 8 --gpus-per-node 8 03-job-launchers/job.sbatch \\
         --pp 8 --seq-length 1024 --batch-size 16 -m meta-llama/Llama-3.1-70B -d tatsu-lab/alpaca -e llama-70b-pp
 """
 

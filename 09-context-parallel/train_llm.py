@@ -1,4 +1,4 @@
-r"""Chapter 09: context parallelism: every sequence split across --cp ranks, for sequences too long for one GPU.
+"""Chapter 09: context parallelism: every sequence split across --cp ranks, for sequences too long for one GPU.
 
 The ranks form a (dp, cp) grid. The --cp ranks of a row share the same sequences, each holding its share of every
 sequence's tokens (two chunks, one early and one late, so that causal attention costs every rank the same). Only
@@ -11,7 +11,7 @@ On a machine without a GPU, 2 processes splitting each sequence in two:
 
 On one node with 8 GPUs, 32K-token sequences split 8 ways:
 
-    torchrun --standalone --nproc-per-node 8 09-context-parallel/train_llm.py --cp 8 --cp-attention pytorch \
+    torchrun --standalone --nproc-per-node 8 09-context-parallel/train_llm.py --cp 8 --cp-attention pytorch \\
         --seq-length 32768 --batch-size 1 -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-cp
 """
 
