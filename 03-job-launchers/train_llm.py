@@ -65,7 +65,8 @@ def main():
         dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
     else:
         dist.init_process_group(backend="gloo", timeout=timeout)
-    dtype = get_compute_dtype(args.dtype, device)
+    auto_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto_dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
@@ -73,8 +74,13 @@ def main():
     # 1. The model: built from its config (untrained), every parameter initialized from the seed.
     with rank_zero_first():
         config = load_model_config(args.model_name)
-    check_sequence_length(args.seq_length, config)
-    check_attention_implementation(args.attn_implementation, device)
+    require(args.seq_length <= config.max_position_embeddings, f"--seq-length {args.seq_length} is longer than the "
+            f"model's maximum of {config.max_position_embeddings} positions (max_position_embeddings); use a smaller "
+            "--seq-length")
+    flash_attn_ready = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+    require(args.attn_implementation != "flash_attention_2" or flash_attn_ready,
+            "--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install "
+            "flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
     with device:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
     init_weights(model, args.seed)
@@ -92,7 +98,9 @@ def main():
         dataset = load_and_tokenize_dataset(args, tokenizer)
     samples_per_step = args.batch_size * args.grad_accum * world_size
     steps_per_epoch = len(dataset) // samples_per_step
-    check_dataset_size(len(dataset), samples_per_step, args)
+    require(len(dataset) >= samples_per_step, f"the data set has {len(dataset)} sequences of {args.seq_length} "
+            f"tokens, fewer than the {samples_per_step} one optimizer step needs; use more data or a smaller "
+            "--batch-size, --grad-accum or --seq-length")
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
@@ -106,8 +114,7 @@ def main():
         optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps)
-    )
+        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
     # 4. Resume: if the experiment directory holds a checkpoint, training continues from it.
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
@@ -118,15 +125,8 @@ def main():
 
     # 5. Experiment tracking: wandb (online if you are logged in, offline otherwise) and metrics.jsonl, on rank 0.
     if rank == 0:
-        wandb.init(
-            project=args.wandb_project,
-            name=args.experiment_name,
-            id=get_wandb_run_id(experiment_dir),
-            resume="allow",
-            dir=experiment_dir,
-            mode=get_wandb_mode(args.wandb_mode),
-            config=vars(args),
-        )
+        wandb.init(project=args.wandb_project, name=args.experiment_name, id=get_wandb_run_id(experiment_dir),
+                   resume="allow", dir=experiment_dir, mode=get_wandb_mode(args.wandb_mode), config=vars(args))
         metrics_file = open(experiment_dir / "metrics.jsonl", "a")
     flops_per_token = get_flops_per_token(model.module, config, args.seq_length)
     peak_flops = get_peak_flops(device, dtype)
@@ -136,10 +136,10 @@ def main():
     timer = StepTimer(device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
-    steps_this_run = 0
-    tokens_since_log = 0
+    steps_this_run, tokens_since_log = 0, 0
     time_of_last_log = time.perf_counter()
-    reset_peak_memory(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     done = train_state["step"] >= max_steps
     while not done:
         dataloader = get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
@@ -193,20 +193,16 @@ def main():
                 time_of_last_log = time.perf_counter()
                 tokens_per_second = tokens_since_log / seconds
                 record = {
-                    "step": step,
-                    "epoch": train_state["epoch"],
-                    "loss": loss_value,
-                    "lr": lr_scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm.item(),
-                    "tokens_per_second": tokens_per_second,
+                    "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                     "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
-                    **get_memory_stats(device),
-                    **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
+                    **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
                 }
                 if rank == 0:
                     log_metrics(record, metrics_file)
                 tokens_since_log = 0
-                reset_peak_memory(device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
 
             if step % args.ckpt_freq == 0 or done:
                 save_checkpoint(experiment_dir, model.module, optimizer, lr_scheduler, train_state, config, rank)
@@ -230,51 +226,56 @@ def main():
 
 
 def get_parser():
-    parser = argparse.ArgumentParser(
-        description="Train a Llama-style causal language model on one GPU, or on the CPU.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
-                        help="Hugging Face hub name or local folder with config.json and the tokenizer")
-    parser.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
-                        help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, .parquet)")
-    parser.add_argument("--dataset-subset", default=None, help="the data set's configuration name, if it has several")
-    parser.add_argument("--text-column", default="text", help="the data set's column that holds the text")
-    parser.add_argument("-e", "--experiment-name", default="quickstart",
-                        help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
-    parser.add_argument("--save-dir", default="outputs", help="parent folder of all experiment folders")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the sample order")
-    parser.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=20, help="steps of linear warm-up before cosine decay")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--zero1", action="store_true",
-                        help="shard the optimizer state across ranks (ZeRO stage 1, ZeroRedundancyOptimizer)")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
-    parser.add_argument("--max-steps", type=int, default=200,
-                        help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
-                             "one would)")
-    parser.add_argument("--num-epochs", type=int, default=None,
-                        help="train for this many passes over the data set instead of --max-steps")
-    parser.add_argument("--exit-after-steps", type=int, default=None,
-                        help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time limit")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                        help="compute dtype; auto is bfloat16 on CUDA and float32 on CPU")
-    parser.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
-    parser.add_argument("--num-workers", type=int, default=1, help="data loader worker processes")
-    parser.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
-    parser.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
-    parser.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
-                        help="default: online if you are logged in to wandb, offline otherwise")
-    parser.add_argument("--wandb-project", default="distributed-training-guide")
-    parser.add_argument("--dist-timeout", type=int, default=600,
-                        help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
-                             "the process group's timeout, the same for every backend")
-    parser.add_argument("--rdzv-timeout", type=int, default=300,
-                        help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
-                             "by srun or mpirun, before giving up")
+    parser = argparse.ArgumentParser(description="Train a Llama-style causal language model on one GPU, or on the CPU.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    model_and_data = parser.add_argument_group("model and data")
+    model_and_data.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
+                                help="Hugging Face hub name or local folder with config.json and the tokenizer")
+    model_and_data.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
+                                help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, "
+                                     ".parquet)")
+    model_and_data.add_argument("--dataset-subset", default=None,
+                                help="the data set's configuration name, if it has several")
+    model_and_data.add_argument("--text-column", default="text", help="the data set's column that holds the text")
+    model_and_data.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
+    model_and_data.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                                help="compute dtype; auto is bfloat16 on CUDA and float32 on CPU")
+    model_and_data.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
+    model_and_data.add_argument("--num-workers", type=int, default=1, help="data loader worker processes")
+    training = parser.add_argument_group("training")
+    training.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the sample order")
+    training.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    training.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    training.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    training.add_argument("--warmup-steps", type=int, default=20, help="steps of linear warm-up before cosine decay")
+    training.add_argument("--weight-decay", type=float, default=0.1)
+    training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
+    training.add_argument("--max-steps", type=int, default=200,
+                          help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
+                               "one would)")
+    training.add_argument("--num-epochs", type=int, default=None,
+                          help="train for this many passes over the data set instead of --max-steps")
+    training.add_argument("--exit-after-steps", type=int, default=None,
+                          help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time "
+                               "limit")
+    checkpoints = parser.add_argument_group("checkpoints and logging")
+    checkpoints.add_argument("-e", "--experiment-name", default="quickstart",
+                             help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
+    checkpoints.add_argument("--save-dir", default="outputs", help="parent folder of all experiment folders")
+    checkpoints.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
+    checkpoints.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
+    checkpoints.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
+                             help="default: online if you are logged in to wandb, offline otherwise")
+    checkpoints.add_argument("--wandb-project", default="distributed-training-guide")
+    parallelism = parser.add_argument_group("parallelism")
+    parallelism.add_argument("--zero1", action="store_true",
+                             help="shard the optimizer state across ranks (ZeRO stage 1, ZeroRedundancyOptimizer)")
+    parallelism.add_argument("--dist-timeout", type=int, default=600,
+                             help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
+                                  "the process group's timeout, the same for every backend")
+    parallelism.add_argument("--rdzv-timeout", type=int, default=300,
+                             help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
+                                  "by srun or mpirun, before giving up")
     return parser
 
 
@@ -283,16 +284,20 @@ def parse_args():
     for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
                  "ckpt_freq", "dist_timeout"]:
         value = getattr(args, name)
-        if value is not None and value < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.warmup_steps < 0 or args.num_workers < 0:
-        fail("--warmup-steps and --num-workers cannot be negative")
+        require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
     return args
 
 
 def fail(message):
     """Stop with a one-line error on stderr and exit status 1: for mistakes in the input, not bugs."""
     raise SystemExit(f"error: {message}")
+
+
+def require(condition, message):
+    """An input rule, stated where the input is used: fail(message) unless the condition holds."""
+    if not condition:
+        fail(message)
 
 
 def get_distributed_environment(rdzv_timeout):
@@ -320,9 +325,9 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "python (a single process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
-    if "MASTER_ADDR" not in environment or "MASTER_PORT" not in environment:
-        fail(f"started by {launcher} without MASTER_ADDR and MASTER_PORT; export them in the job script, set to the "
-             "first node of the job and a free port (see job-srun.sbatch and mpirun.sh)")
+    require("MASTER_ADDR" in environment and "MASTER_PORT" in environment, f"started by {launcher} without "
+            "MASTER_ADDR and MASTER_PORT; export them in the job script, set to the first node of the job and a free "
+            "port (see job-srun.sbatch and mpirun.sh)")
     rank = int(environment["RANK"])
     if launcher in ("srun", "mpirun") and rank != 0:
         wait_for_rendezvous(environment["MASTER_ADDR"], int(environment["MASTER_PORT"]), rdzv_timeout, rank)
@@ -341,10 +346,9 @@ def wait_for_rendezvous(host, port, timeout, rank):
             socket.create_connection((host, port), timeout=5).close()
             return
         except OSError as error:
-            if time.monotonic() > deadline:
-                fail(f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous endpoint {host}:{port} "
-                     f"after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT and the firewall, and that rank 0 "
-                     "started")
+            require(time.monotonic() <= deadline, f"rank {rank} on {socket.gethostname()} cannot reach the "
+                    f"rendezvous endpoint {host}:{port} after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT "
+                    "and the firewall, and that rank 0 started")
             time.sleep(1)
 
 
@@ -355,12 +359,8 @@ def find_free_port():
 
 
 def setup_logging(rank):
-    logging.basicConfig(
-        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-        level=logging.INFO,
-        stream=sys.stdout,
-    )
+    logging.basicConfig(format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO, stream=sys.stdout)
 
 
 def get_device(local_rank):
@@ -373,16 +373,10 @@ def get_device(local_rank):
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
-    if num_gpus > 1 and local_rank >= num_gpus:
-        fail(f"local rank {local_rank} but this process sees only {num_gpus} GPUs (CUDA_VISIBLE_DEVICES="
-             f"{os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per GPU on each node")
+    require(num_gpus <= 1 or local_rank < num_gpus, f"local rank {local_rank} but this process sees only {num_gpus} "
+            f"GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per "
+            "GPU on each node")
     return torch.device("cuda", local_rank if num_gpus > 1 else 0)
-
-
-def get_compute_dtype(name, device):
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 @contextlib.contextmanager
@@ -415,20 +409,6 @@ def load_model_config(model_name):
         first_line = str(error).strip().splitlines()[0]
         fail(f"cannot load a model config from {model_name!r} ({first_line}); "
              "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
-
-
-def check_sequence_length(seq_length, config):
-    if seq_length > config.max_position_embeddings:
-        fail(f"--seq-length {seq_length} is longer than the model's maximum of {config.max_position_embeddings} "
-             "positions (max_position_embeddings); use a smaller --seq-length")
-
-
-def check_attention_implementation(attn_implementation, device):
-    if attn_implementation != "flash_attention_2":
-        return
-    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
-        fail("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package "
-             "(pip install flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
 
 
 def get_attention_kwargs(attn_implementation, input_ids):
@@ -490,24 +470,15 @@ def load_and_tokenize_dataset(args, tokenizer):
     if not cache_dir.exists():
         LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
         raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
-        if args.text_column not in raw_dataset.column_names:
-            fail(f"the data set has no column {args.text_column!r} (it has {raw_dataset.column_names}); "
-                 "pass --text-column with the column that holds the text")
+        require(args.text_column in raw_dataset.column_names, f"the data set has no column {args.text_column!r} (it "
+                f"has {raw_dataset.column_names}); pass --text-column with the column that holds the text")
         tokenized = raw_dataset.map(
             lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
-            batched=True,
-            remove_columns=raw_dataset.column_names,
-            desc="tokenizing",
-        )
-        chunked = tokenized.map(
-            lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
-            batched=True,
-            batch_size=10_000,
-            desc="chunking",
-        )
-        if len(chunked) == 0:
-            fail(f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more data or a "
-                 "smaller --seq-length")
+            batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
+                                batched=True, batch_size=10_000, desc="chunking")
+        require(len(chunked) != 0, f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more "
+                "data or a smaller --seq-length")
         # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
@@ -537,33 +508,22 @@ def cut_into_chunks(token_lists, seq_length):
     return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
 
 
-def check_dataset_size(num_sequences, samples_per_step, args):
-    if num_sequences < samples_per_step:
-        fail(f"the data set has {num_sequences} sequences of {args.seq_length} tokens, fewer than the "
-             f"{samples_per_step} one optimizer step needs; use more data or a smaller --batch-size, --grad-accum "
-             "or --seq-length")
-
-
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
     """This rank's batches of one epoch in a seeded random order, starting after the samples already trained on.
 
-    NOTE: DistributedSampler draws the same permutation of the whole data set from (seed, epoch) as chapter 01 did,
-    and deals it out round-robin: rank r gets samples r, r + world_size, r + 2 * world_size, ... So the global
-    batch of every step holds exactly the samples chapter 01's batch held. set_epoch() gives each epoch a new order.
+    NOTE: the epoch's order is the permutation chapter 01 drew from (seed, epoch). It is cut after the samples the
+    whole job has seen so far, and only then dealt out round-robin by DistributedSampler (rank r gets samples r,
+    r + world_size, ...). Cutting before dealing is what lets a checkpoint written by 2 ranks resume on 3: the
+    data position is a count of global samples, whatever the world size that saw them.
     """
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed,
-                                 drop_last=True)
-    sampler.set_epoch(epoch)
+    generator = torch.Generator().manual_seed(args.seed + epoch)
+    sample_order = torch.randperm(len(dataset), generator=generator).tolist()
+    remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
+    sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
     samples_per_step = args.batch_size * args.grad_accum
-    num_samples = len(dataset) // world_size // samples_per_step * samples_per_step
-    remaining = Subset(dataset, list(sampler)[samples_seen_in_epoch // world_size:num_samples])
-    return DataLoader(
-        remaining,
-        batch_size=args.batch_size,
-        collate_fn=stack_input_ids,
-        num_workers=args.num_workers,
-        pin_memory=device.type == "cuda",
-    )
+    num_steps = len(sampler) // samples_per_step
+    return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
+                      collate_fn=stack_input_ids, num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
 def stack_input_ids(samples):
@@ -630,10 +590,8 @@ def write_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state
     temporary_dir.mkdir()
     torch.save(model.state_dict(), temporary_dir / "model.pt")
     torch.save(optimizer.state_dict(), temporary_dir / "optimizer.pt")
-    torch.save(
-        {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
-        temporary_dir / "train_state.pt",
-    )
+    torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
+               temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
     # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
     # which saves that tokenizer next to the weights.
@@ -648,7 +606,13 @@ def write_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state
 
 
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, device):
-    check_checkpoint_matches_model(checkpoint_dir, config)
+    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
+    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads"]
+    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
+                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
+    require(not different, f"the checkpoint {checkpoint_dir} was saved from a different model "
+            f"({', '.join(different)}); use another --experiment-name or --save-dir, or the model it was trained with")
     # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
     # Without map_location, torch.load puts every tensor back on the device it was saved from: for a checkpoint
     # written by rank 0 of a GPU job, cuda:0, so all 8 processes of a node would load the whole model and optimizer
@@ -659,17 +623,6 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state
-
-
-def check_checkpoint_matches_model(checkpoint_dir, config):
-    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
-    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads"]
-    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
-                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
-    if different:
-        fail(f"the checkpoint {checkpoint_dir} was saved from a different model ({', '.join(different)}); "
-             "use another --experiment-name or --save-dir, or the model it was trained with")
 
 
 # NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
@@ -690,11 +643,8 @@ def set_rng_state(rng_state):
 
 def get_wandb_mode(requested_mode):
     """Online if you are logged in to wandb, offline otherwise: never stop and ask for an API key."""
-    if requested_mode is not None:
-        return requested_mode
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    return "online" if wandb.login(prompt=False, verify=False) else "offline"
+    return requested_mode or os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False)
+                                                              else "offline")
 
 
 def get_wandb_run_id(experiment_dir):
@@ -723,18 +673,8 @@ def get_flops_per_token(model, config, seq_length):
 
 
 # Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100 NVL": 835e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "L40": 181e12,
-    "L4": 121e12,
-    "A10G": 70e12,
-    "B200": 2250e12,
-}
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
+                   "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
 
 def get_peak_flops(device, dtype):
@@ -752,18 +692,11 @@ def get_peak_flops(device, dtype):
 
 def get_memory_stats(device):
     if device.type == "cuda":
-        return {
-            "memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-            "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9,
-        }
+        return {"memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+                "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
     # NOTE: on Linux ru_maxrss is in kilobytes (on macOS in bytes): the peak resident memory of this process.
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"memory_rss_gb": max_rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
-
-
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def log_metrics(record, metrics_file):

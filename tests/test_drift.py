@@ -25,7 +25,9 @@ LINEAGE = {
         "get_parser": "the --zero1 option, and --dist-timeout, the process group's timeout",
         "parse_args": "--dist-timeout must be at least 1 second too",
         "setup_logging": "every log line says which rank wrote it",
-        "get_dataloader": "DistributedSampler: each rank reads its own share of each global batch",
+        "get_dataloader": "each rank reads its own share of each global batch: the epoch's order is cut at the global "
+                          "data position, then dealt out by DistributedSampler, so a checkpoint resumes exactly on "
+                          "another world size",
         "save_checkpoint": "rank 0 writes while the others wait at a barrier, ZeRO-1 gathers the optimizer state "
                            "first, and the save is timed; the writing itself moved, unchanged, to write_checkpoint",
     },
@@ -38,8 +40,6 @@ LINEAGE = {
                 "and no no_sync(), no DDP and no ZeRO-1",
         "get_parser": "the --cpu-offload option, without --zero1",
         "init_weights": "each rank fills only its shard (a DTensor) of the full seeded value",
-        "get_dataloader": "the epoch's order is cut at the global data position before it is dealt out, so that a "
-                          "sharded checkpoint resumes exactly on another world size",
         "save_checkpoint": "every rank writes its own shards with torch.distributed.checkpoint",
         "write_checkpoint": "only the small files are left to rank 0",
         "load_checkpoint": "each rank reads its own shards, resharding to the current world size",
