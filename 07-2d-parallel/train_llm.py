@@ -177,7 +177,7 @@ def main():
                 # NOTE: loss_parallel() computes the cross-entropy from logits that stay split across ranks along
                 # the vocabulary: no rank ever holds the full batch x sequence x vocabulary logits. It must wrap the
                 # backward pass too. The loss is a replicated DTensor: full_tensor() reads it without communication.
-                # No autocast: FSDP's MixedPrecisionPolicy casts the all-gathered weights to bf16 instead.
+                # NOTE: no autocast: FSDP's MixedPrecisionPolicy casts the all-gathered weights to bf16 instead.
                 with timer("forward"), loss_parallel():
                     # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
                     # use_cache=False: no KV cache. Only generation needs one; in training it would keep every

@@ -40,16 +40,8 @@ import estimate_memory  # noqa: E402
 import plot_runs  # noqa: E402
 from measure_step import read_measurements  # noqa: E402
 
-CHAPTERS = {
-    "01": "01-single-gpu",
-    "02": "02-distributed-data-parallel",
-    "04": "04-fully-sharded-data-parallel",
-    "05": "05-training-llama-405b",
-    "06": "06-tensor-parallel",
-    "07": "07-2d-parallel",
-    "08": "08-pipeline-parallel",
-    "09": "09-context-parallel",
-}
+# NOTE: every chapter folder, by its number ("01": "01-single-gpu", ...), as the tests name them.
+CHAPTERS = {path.parent.name[:2]: path.parent.name for path in sorted(REPO.glob("[0-9][0-9]-*/train_llm.py"))}
 COMMON = ["--seq-length", "64", "--log-freq", "1", "--ckpt-freq", "100000", "--warmup-steps", "5",
           "--num-workers", "0", "--wandb-mode", "disabled"]
 
@@ -132,21 +124,17 @@ class Runner:
             launcher = [*launcher, str(TOOLS / "measure_step.py"), "--out", str(measured_dir)]
         script = REPO / CHAPTERS[chapter] / "train_llm.py"
         command = [*launcher, str(script), *COMMON, *args, "--save-dir", str(self.work_dir / "outputs"), "-e", name]
-        log = self.work_dir / "logs" / f"{name}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with open(log, "w") as log_file:
-            result = subprocess.run(command, cwd=self.work_dir, env=self.env, stdout=log_file,
-                                    stderr=subprocess.STDOUT, timeout=1800)
-        if result.returncode != 0:
-            tail = "\n".join(log.read_text().splitlines()[-30:])
-            raise SystemExit(f"error: {' '.join(command)} failed (exit {result.returncode}); its log {log} ends:\n{tail}")
+        self.run_logged(name, command)
         return (experiment, read_measurements(measured_dir)) if measure else experiment
 
     def run_tool(self, name, tool, *args):
-        """Run another figure tool of tools/, with its log in the work folder."""
+        """Run another figure tool of tools/."""
+        self.run_logged(name, [sys.executable, str(TOOLS / tool), *map(str, args)])
+
+    def run_logged(self, name, command):
+        """Run a command with its output in the work folder's logs/NAME.log; stop with the log's tail if it fails."""
         log = self.work_dir / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, str(TOOLS / tool), *map(str, args)]
         with open(log, "w") as log_file:
             result = subprocess.run(command, cwd=self.work_dir, env=self.env, stdout=log_file,
                                     stderr=subprocess.STDOUT, timeout=3600)
