@@ -7,11 +7,16 @@ The helpers that are plain functions (train(), run(), read_losses(), ...) live i
 import json
 import os
 import shutil
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
 from helpers import TINY_MODEL, SharedRuns, processes_with_marker
+
+WARM_START = Path(__file__).resolve().parent / "warm_start"
 
 
 @pytest.fixture(scope="session")
@@ -19,14 +24,10 @@ def session_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("session")
 
 
-@pytest.fixture
-def env(session_dir):
-    """The environment for a chapter's processes: offline, caches under the test's temporary folder, and a marker.
-
-    The tokenized data cache (HF_HOME) is shared by the whole session, so the corpus is tokenized once.
-    """
-    marker = uuid.uuid4().hex
-    environment = {
+def session_environment(session_dir):
+    """Offline, with caches under the session's folder; the tokenized data cache (HF_HOME) is shared by the whole
+    session, so the corpus is tokenized once."""
+    return {
         **os.environ,
         "HF_HOME": str(session_dir / "hf"),
         "HF_HUB_OFFLINE": "1",
@@ -39,8 +40,35 @@ def env(session_dir):
         "OMP_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
-        "TEST_PROCESS_MARKER": marker,
+        "PYTHONPATH": str(WARM_START),
     }
+
+
+@pytest.fixture(scope="session")
+def warm_start(session_dir):
+    """The warm-start server (warm_start/server.py) for the session: {"WARM_START_SOCKET": path} for the processes'
+    environment, or {} when WARM_START=0 asks for every process to start cold."""
+    if os.environ.get("WARM_START") == "0":
+        yield {}
+        return
+    socket_path = str(session_dir / "warm.sock")
+    environment = {**session_environment(session_dir), "WARM_START_SOCKET": socket_path}
+    log = open(session_dir / "warm-start.log", "w")
+    server = subprocess.Popen([sys.executable, WARM_START / "server.py", socket_path], env=environment,
+                              stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    ready = server.stdout.readline().strip()
+    assert ready == "ready", f"the warm-start server did not start: {(session_dir / 'warm-start.log').read_text()}"
+    yield {"WARM_START_SOCKET": socket_path}
+    server.terminate()
+    server.wait(timeout=30)
+    log.close()
+
+
+@pytest.fixture
+def env(session_dir, warm_start):
+    """The environment for a chapter's processes (session_environment), with the warm-start server and a marker."""
+    marker = uuid.uuid4().hex
+    environment = {**session_environment(session_dir), **warm_start, "TEST_PROCESS_MARKER": marker}
     yield environment
     assert not processes_with_marker(marker), "the test left processes running"
 

@@ -1,0 +1,207 @@
+"""A warm start for the test suite's Python processes: import the libraries once, fork a process per command.
+
+Every chapter process a test starts spends 6 to 12 seconds of a 2-core CPU importing torch, transformers, datasets
+and wandb before its first line runs, and a short test run trains for under a second. This server imports them once
+per test session. The processes the tests start (directly, through torchrun, or through a tool) begin as ordinary
+interpreters; sitecustomize.py in this folder hands each one's command, environment, working folder and standard
+streams to this server, which forks a child with the libraries already imported to run the command, and reports its
+exit status back. The script, its arguments, torchrun, gloo and every check are the real ones: only the imports are
+shared, and a command whose import-time settings differ from the server's runs the ordinary way (sitecustomize.py).
+
+Protocol on the Unix socket, one JSON object per line: the client sends the request (argv, the script path or module,
+cwd, environment) together with its file descriptors 0, 1 and 2; the server answers {"pid": N}, relays any
+{"signal": S} the client sends to the child, and ends with {"exit": code} or {"signal": S}. When the client goes away
+without waiting (it was killed), the server kills the child's process group.
+"""
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+
+# NOTE: what the chapters and the tools import, and the lazily loaded parts of transformers that building a Llama
+# model loads (about 3 s of its own on this CPU).
+WARM_IMPORTS = """
+import torch, torch.distributed, torch.distributed.run, torch.distributed.checkpoint, torch.distributed.device_mesh
+import torch.distributed.fsdp, torch.distributed.tensor, torch.distributed.tensor.parallel, torch.distributed.pipelining
+import torch.distributed.checkpoint.state_dict, torch.distributed.elastic.multiprocessing.errors
+import torch.distributed.algorithms._checkpoint.checkpoint_wrapper, torch.distributed.optim, torch.nn.parallel
+import torch.utils.data, datasets, wandb, tqdm, tokenizers, huggingface_hub, matplotlib
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers.models.llama import modeling_llama
+import transformers.masking_utils, transformers.modeling_utils
+"""
+
+
+def main():
+    socket_path = sys.argv[1]
+    environment_before = dict(os.environ)
+    exec(WARM_IMPORTS, {})
+    # NOTE: imports set some variables (torch sets TORCHINDUCTOR_CACHE_DIR): a child gets them as a cold start would.
+    set_by_imports = {name: value for name, value in os.environ.items() if name not in environment_before}
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(64)
+    # NOTE: the environment the imports ran under: a client whose import-time settings differ runs on its own.
+    with open(socket_path + ".env.json", "w") as file:
+        json.dump({"environment": environment_before, "set_by_imports": set_by_imports}, file)
+    print("ready", flush=True)
+
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    children = {}  # pid -> the client's connection
+    connections = {}  # connection -> [pid, bytes received so far]
+    signal.signal(signal.SIGTERM, lambda *_: stop(children))
+    while True:
+        for key, _ in selector.select(timeout=0.05):
+            if key.fileobj is listener:
+                connection, _ = listener.accept()
+                request, fds = receive_request(connection)
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    listener.close()
+                    for other in connections:
+                        other.close()
+                    run_child(request, fds, connection, set_by_imports)
+                for fd in fds:
+                    os.close(fd)
+                connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+                children[pid] = connection
+                connections[connection] = [pid, b""]
+                selector.register(connection, selectors.EVENT_READ)
+            else:
+                connection = key.fileobj
+                pid, pending = connections[connection]
+                data = connection.recv(4096)
+                if not data:  # NOTE: the client is gone (killed): so is what it started
+                    kill_group(pid)
+                    selector.unregister(connection)
+                    connections.pop(connection)
+                    continue
+                *lines, connections[connection][1] = (pending + data).split(b"\n")
+                for line in lines:
+                    try:
+                        os.kill(pid, json.loads(line)["signal"])
+                    except ProcessLookupError:
+                        pass
+        reap(children, connections, selector)
+
+
+def receive_request(connection):
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
+    while not data.endswith(b"\n"):
+        data += connection.recv(1 << 20)
+    return json.loads(data), fds
+
+
+def reap(children, connections, selector):
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        connection = children.pop(pid, None)
+        if connection is None:
+            continue
+        if os.WIFSIGNALED(status):
+            message = {"signal": os.WTERMSIG(status)}
+        else:
+            message = {"exit": os.WEXITSTATUS(status)}
+        try:
+            connection.sendall(json.dumps(message).encode() + b"\n")
+        except OSError:
+            pass
+        if connection in connections:
+            selector.unregister(connection)
+            connections.pop(connection)
+        connection.close()
+
+
+def kill_group(pid):
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop(children):
+    for pid in list(children):
+        kill_group(pid)
+    sys.exit(0)
+
+
+def run_child(request, fds, connection, set_by_imports):
+    """In the forked child: become the client's process (streams, folder, environment, argv), run, exit."""
+    import atexit
+    import runpy
+    import threading
+
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    connection.close()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update({**set_by_imports, **request["env"]})
+    sys.argv = request["argv"]
+    sys.path[:] = request["sys_path"]
+    run_sitecustomize()
+    sys.path.insert(0, os.path.dirname(request["path"]) if request["path"] else os.getcwd())
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    code = 0
+    try:
+        if request["path"]:
+            runpy.run_path(request["path"], run_name="__main__")
+        else:
+            # NOTE: as in a cold start, the module runs as __main__ only, not also under its own name.
+            sys.modules.pop(request["module"], None)
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as exit_request:
+        if exit_request.code is None:
+            code = 0
+        elif isinstance(exit_request.code, int):
+            code = exit_request.code
+        else:
+            print(exit_request.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code & 0xFF)
+
+
+def run_sitecustomize():
+    """Start up as the client did: run the first sitecustomize on its path (this folder's one runs the one it hides,
+    such as the tests' fault injection; the GPU card's runs this folder's one first, then adds its hooks)."""
+    import importlib.machinery
+    import importlib.util
+
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path)
+    if spec is None or not spec.origin:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sitecustomize"] = module
+    os.environ["WARM_START_IN_CHILD"] = "1"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del os.environ["WARM_START_IN_CHILD"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The client side of the test suite's warm start (server.py): hand this process's command to the warm server.
+
+Python imports this file at start-up when its folder is on PYTHONPATH (the tests' `env` fixture puts it there). If
+WARM_START_SOCKET names a running server, the command is `python [-u] script.py ...` or `python [-u] -m
+torch.distributed.run ...`, and every variable read at import time (PYTHON*, HF_*, TORCH*, OMP_*, WANDB_*, ...) is
+the server's, this process becomes a stand-in: the server forks the command's process, this one relays signals to it
+and exits with its exit status (or dies of its signal). Otherwise Python runs the command here.
+
+A sitecustomize later on the path (the tests' fault injection) runs in the process that runs the command: here, or
+in the server's child (which also runs one earlier on the path, such as the GPU card's, which runs this one first).
+"""
+
+import os
+import sys
+
+IMPORT_TIME_PREFIXES = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "TORCH", "PYTORCH",
+                        "OMP_", "MKL_", "KMP_", "GOMP", "OPENBLAS", "LD_", "CUDA", "WANDB_", "TQDM", "MPL", "HOME",
+                        "XDG_", "TMPDIR", "LANG", "LC_")
+# NOTE: torchrun's per-worker variables are read when the script runs, not when torch is imported.
+RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
+
+
+def import_time_settings(environment, set_by_imports):
+    """The variables read at import time, less those the imports set themselves (to the value they set)."""
+    return {name: value for name, value in environment.items()
+            if name.startswith(IMPORT_TIME_PREFIXES) and not name.startswith(RUN_TIME_PREFIXES)
+            and name != "PYTHONPATH" and set_by_imports.get(name) != value}
+
+
+def warm_request():
+    """What the server needs to run this command, or None when it should run here."""
+    socket_path = os.environ.get("WARM_START_SOCKET")
+    if not socket_path or not os.path.exists(socket_path + ".env.json"):
+        return None
+    arguments = list(sys.orig_argv[1:])
+    if arguments[:1] == ["-u"]:
+        arguments = arguments[1:]
+    if arguments[:2] == ["-m", "torch.distributed.run"]:
+        path, module = None, "torch.distributed.run"
+    elif arguments and arguments[0].endswith(".py") or arguments and os.path.basename(arguments[0]) == "torchrun":
+        path, module = os.path.abspath(arguments[0]), None
+    else:
+        return None
+    import json
+
+    with open(socket_path + ".env.json") as file:
+        server = json.load(file)
+    if (import_time_settings(server["environment"], server["set_by_imports"])
+            != import_time_settings(os.environ, server["set_by_imports"])):
+        return None
+    return socket_path, {"argv": sys.argv if path else [sys.argv[0], *arguments[2:]], "path": path,
+                         "module": module, "cwd": os.getcwd(), "env": dict(os.environ), "sys_path": sys.path}
+
+
+def run_warm(socket_path, request):
+    import json
+    import signal
+    import socket
+
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(socket_path)
+    socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+
+    def forward(signal_number, _frame):
+        connection.sendall(json.dumps({"signal": signal_number}).encode() + b"\n")
+
+    for signal_number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+                          signal.SIGUSR2):
+        signal.signal(signal_number, forward)
+    received = b""
+    while True:
+        try:
+            data = connection.recv(4096)
+        except InterruptedError:
+            continue
+        if not data:  # NOTE: the server is gone: say so, as a killed process would
+            os._exit(1)
+        received += data
+        while b"\n" in received:
+            line, received = received.split(b"\n", 1)
+            message = json.loads(line)
+            if "exit" in message:
+                os._exit(message["exit"])
+            if "signal" in message:
+                signal.signal(message["signal"], signal.SIG_DFL)
+                os.kill(os.getpid(), message["signal"])
+                os._exit(128 + message["signal"])
+
+
+def run_shadowed_sitecustomize():
+    """Run the first sitecustomize after this one's folder on the path, as Python would have had this one not hidden
+    it."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    entries = [os.path.abspath(entry or ".") for entry in sys.path]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", sys.path[entries.index(here) + 1:])
+    if spec is not None and spec.origin:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_request = None if os.environ.get("WARM_START_IN_CHILD") else warm_request()
+if _request is not None:
+    run_warm(*_request)
+run_shadowed_sitecustomize()
