@@ -24,6 +24,7 @@ CHAPTERS = {
     "09": "09-context-parallel",
 }
 TINY_MODEL = REPO / "data" / "tiny-llama"
+FAULTS = REPO / "tests" / "faults"
 
 # Small and fast: a 10-step run takes a few seconds on one CPU core.
 FAST_ARGS = ["--seq-length", "64", "--batch-size", "4", "--log-freq", "1", "--ckpt-freq", "1000",
@@ -93,6 +94,15 @@ def processes_with_marker(marker):
             except OSError:
                 pass
     return found
+
+
+def with_faults(env, **variables):
+    """env with the faults of tests/faults/sitecustomize.py switched on by these variables.
+
+    NOTE: its folder goes after the warm start's on PYTHONPATH: the warm start's sitecustomize runs the one it hides
+    in the process that runs the command, whether that starts warm or cold.
+    """
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(FAULTS)])), **variables}
 
 
 def torchrun(nproc, *extra):

@@ -9,14 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from helpers import REPO, TINY_MODEL, error_line, load_script, max_difference, read_losses, run, script, train
+from helpers import (TINY_MODEL, error_line, load_script, max_difference, read_losses, run, script, train,
+                     with_faults)
 
-FAULTS = REPO / "tests" / "faults"
 
 
 def test_quick_start_command_trains_and_the_loss_falls(env, tmp_path):
     # The README's command exactly as written, run from a scratch folder so its outputs/ land there.
-    result = run([sys.executable, script("01")], env, tmp_path, timeout=900)
+    # NOTE: and as a reader runs it, on every core: without the OMP_NUM_THREADS=1 the suite's other processes get.
+    reader_env = {name: value for name, value in env.items() if name != "OMP_NUM_THREADS"}
+    result = run([sys.executable, script("01")], reader_env, tmp_path, timeout=900)
     losses = read_losses(tmp_path / "outputs" / "quickstart")
     print(f"quick start: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses) * 10} steps")
     assert losses[-1] < losses[0] - 2.0
@@ -56,7 +58,7 @@ def test_gradient_accumulation_is_exact(env, tmp_path):
 def test_a_crash_during_a_save_keeps_the_previous_checkpoint(env, tmp_path):
     _, straight = train("01", env, tmp_path, "--max-steps", "8", experiment="straight")
     # A checkpoint is three torch.save calls; the 5th call is the second file of the step-8 checkpoint.
-    crash_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_KILL_ON_CALL": "torch.save:5"}
+    crash_env = with_faults(env, FAULT_KILL_ON_CALL="torch.save:5")
     result, crashed = train("01", crash_env, tmp_path, "--max-steps", "8", "--ckpt-freq", "4", experiment="crashed",
                             check=False)
     assert result.returncode == -9
@@ -85,8 +87,7 @@ def test_a_checkpoint_saved_on_gpu_0_resumes_on_this_device(env, tmp_path, monke
 def test_training_builds_no_kv_cache(env, tmp_path):
     # A KV cache (DynamicCache) only serves generation. The fault kills the process as soon as one is built, which
     # a Hugging Face model does in every forward pass unless it is called with use_cache=False.
-    fault_env = {**env, "PYTHONPATH": str(FAULTS),
-                 "FAULT_KILL_ON_CALL": "transformers.cache_utils.DynamicCache.__init__:1"}
+    fault_env = with_faults(env, FAULT_KILL_ON_CALL="transformers.cache_utils.DynamicCache.__init__:1")
     result, _ = train("01", fault_env, tmp_path, "--max-steps", "2", check=False)
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
     assert "done: step 2 of 2" in result.stdout

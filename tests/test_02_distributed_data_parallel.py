@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from helpers import (CHAPTERS, REPO, checkpoint_seconds, largest_weight_difference, load_script,
-                     max_difference, read_losses, read_metrics, run, script, train, train_with_a_restart)
+                     max_difference, read_losses, read_metrics, run, script, train, train_with_a_restart, with_faults)
 
-FAULTS = REPO / "tests" / "faults"
 README = REPO / CHAPTERS["02"] / "README.md"
 STEPS = 10
 FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
@@ -80,7 +79,7 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(env, runs, tmp_path
     _, straight = parity_run(runs, env, "ddp")
     args = ["--max-steps", STEPS, *PARITY_CASES["ddp"], *NO_WANDB, "--ckpt-freq", "2"]
     train("02", env, tmp_path, *args, "--exit-after-steps", "4", nproc=2)
-    stale_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_STALE_LISTING": "checkpoint-00000002", "FAULT_RANK": "1"}
+    stale_env = with_faults(env, FAULT_STALE_LISTING="checkpoint-00000002", FAULT_RANK="1")
     result, resumed = train("02", stale_env, tmp_path, *args, nproc=2)
     for rank in [0, 1]:
         assert f"[rank {rank}] INFO resumed from {resumed / 'checkpoint-00000004'} at step 4" in result.stdout
@@ -109,7 +108,7 @@ def test_a_zero1_checkpoint_holds_the_full_optimizer_state(env, runs):
 
 
 def test_one_failing_rank_ends_the_job_and_its_error_is_reported(env, tmp_path):
-    fault_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_RAISE_AFTER_STEPS": "2", "FAULT_RANK": "1"}
+    fault_env = with_faults(env, FAULT_RAISE_AFTER_STEPS="2", FAULT_RANK="1")
     result, _ = train("02", fault_env, tmp_path, "--max-steps", "1000", "--batch-size", "2", nproc=2, check=False,
                       timeout=180)
     ended = time.time()
@@ -128,7 +127,7 @@ def test_one_failing_rank_ends_the_job_and_its_error_is_reported(env, tmp_path):
 def test_a_preparation_longer_than_the_process_group_timeout_completes(env, tmp_path):
     # Rank 0 prepares the data for 15 s (a sleep injected before it loads the tokenized data set) while rank 1 waits
     # in rank_zero_first(), under a process-group timeout of 5 s: that wait is on a gloo group with its own timeout.
-    slow_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_SLEEP_ON_CALL": "datasets.load_from_disk:15", "FAULT_RANK": "0"}
+    slow_env = with_faults(env, FAULT_SLEEP_ON_CALL="datasets.load_from_disk:15", FAULT_RANK="0")
     started = time.monotonic()
     result, experiment = train("02", slow_env, tmp_path, "--max-steps", "2", "--batch-size", "2", "--dist-timeout", "5",
                                *NO_WANDB, nproc=2, timeout=240)

@@ -16,9 +16,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from helpers import (REPO, TINY_MODEL, checkpoint_weights, error_line, load_script, logged_parameter_count,
-                     max_difference, memory_held, read_losses, read_metrics, run, train)
+                     max_difference, memory_held, read_losses, read_metrics, run, train, with_faults)
 
-FAULTS = REPO / "tests" / "faults"
 CONVERT = REPO / "04-fully-sharded-data-parallel" / "convert_to_hf.py"
 TEN_STEPS = ["--max-steps", "10", "--wandb-mode", "disabled"]
 
@@ -112,7 +111,7 @@ def test_resume_at_the_same_world_size_is_exact_and_survives_a_crash_during_a_sa
     _, straight = fsdp(runs, env, 2)
     _, source = interrupted(runs, env)
     shutil.copytree(source, tmp_path / "outputs" / "crashed")
-    crash_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_KILL_ON_CALL": "torch.distributed.checkpoint.save:2"}
+    crash_env = with_faults(env, FAULT_KILL_ON_CALL="torch.distributed.checkpoint.save:2")
     result, crashed = train("04", crash_env, tmp_path, *TEN_STEPS, "--batch-size", "2", "--ckpt-freq", "2", nproc=2,
                             experiment="crashed", check=False)
     assert result.returncode != 0 and "resumed from" in result.stdout
@@ -132,7 +131,7 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(runs, env, tmp_path
     _, straight = fsdp(runs, env, 2)
     _, source = interrupted(runs, env)
     shutil.copytree(source, tmp_path / "outputs" / "stale")
-    stale_env = {**env, "PYTHONPATH": str(FAULTS), "FAULT_STALE_LISTING": "checkpoint-00000002", "FAULT_RANK": "1"}
+    stale_env = with_faults(env, FAULT_STALE_LISTING="checkpoint-00000002", FAULT_RANK="1")
     result, resumed = train("04", stale_env, tmp_path, *TEN_STEPS, "--batch-size", "2", nproc=2, experiment="stale")
     for rank in [0, 1]:
         assert f"[rank {rank}] INFO resumed from {resumed / 'checkpoint-00000004'} at step 4" in result.stdout

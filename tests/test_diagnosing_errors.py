@@ -118,6 +118,13 @@ def run(command, env, cwd, timeout=180):
 
 
 @pytest.fixture
+def env(env):
+    """The conftest environment, but every process starts cold: the hang dumps find a job's ranks in torchrun's
+    process tree and read their command lines, which processes forked by the suite's warm start do not have."""
+    return {name: value for name, value in env.items() if name != "WARM_START_SOCKET"}
+
+
+@pytest.fixture
 def scratch(tmp_path, env):
     """tmp_path as the repository root for the README's commands, with the fakes in fakes/ (see with_fakes)."""
     (tmp_path / "diagnosing-errors").symlink_to(CHAPTER)

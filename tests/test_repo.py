@@ -2,17 +2,21 @@
 and passes only flags its script accepts, every torch.load says where its tensors go, and no chapter's training
 forward builds a KV cache. Every chapter README has the common structure (its '## ' headings in order, no diff
 block over 40 lines), quotes only lines of its chapter's code in its Python excerpts, and links only to sections
-that exist; the top-level README's layout names every folder."""
+that exist; the top-level README's layout names every folder. The suite's warm start (tests/warm_start) runs a
+distributed job as a cold start does: the same losses, gradient norms and log lines, its exit status and signals."""
 
 import ast
+import json
 import re
+import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from helpers import CHAPTERS, REPO, run, script
+from helpers import CHAPTERS, REPO, read_metrics, run, script, train
 
 EXISTING_CHAPTERS = [chapter for chapter in CHAPTERS if script(chapter).exists()]
 READMES = sorted(REPO.glob("*.md")) + sorted(REPO.glob("*/README.md"))
@@ -248,3 +252,50 @@ def test_the_repository_layout_lists_every_folder():
     layout = (REPO / "README.md").read_text().split("## Repository layout", 1)[1]
     listed = {line.split("/")[0] for line in layout.splitlines() if re.match(r"[\w.-]+/", line)}
     assert len(folders) >= 15 and set(folders) <= listed, f"README.md's layout leaves out {sorted(set(folders) - listed)}"
+
+
+def warm_served(env):
+    """The commands the warm-start server ran, as {pid: argv}."""
+    served = Path(env["WARM_START_SOCKET"] + ".served.jsonl")
+    return {record["pid"]: record["argv"] for record in map(json.loads, served.read_text().splitlines())}
+
+
+def test_a_warm_started_job_is_the_job_a_cold_start_runs(env, tmp_path):
+    if "WARM_START_SOCKET" not in env:
+        pytest.skip("WARM_START=0: every process starts cold")
+    cold_env = {name: value for name, value in env.items() if name != "WARM_START_SOCKET"}
+    served_before = set(warm_served(env))
+    cold, cold_dir = train("02", cold_env, tmp_path, "--max-steps", "3", nproc=2, experiment="cold")
+    assert set(warm_served(env)) == served_before, "a process started without WARM_START_SOCKET ran warm"
+    warm, warm_dir = train("02", env, tmp_path, "--max-steps", "3", nproc=2, experiment="warm")
+    # NOTE: torchrun and both of its workers ran in processes forked from the server.
+    served = [argv for pid, argv in warm_served(env).items() if pid not in served_before]
+    assert len(served) == 3 and sum(str(script("02")) in " ".join(argv) for argv in served) == 3, served
+    for cold_record, warm_record in zip(read_metrics(cold_dir), read_metrics(warm_dir), strict=True):
+        assert (cold_record["loss"], cold_record["grad_norm"]) == (warm_record["loss"], warm_record["grad_norm"])
+
+    def log_kinds(result):
+        # NOTE: the first run of the session tokenizes the corpus, the other loads it.
+        lines = [line.split(" INFO ")[1] for line in result.stdout.splitlines() if " INFO " in line]
+        return sorted({re.sub(r"[\d.,]+", "N", line).replace("warm", "cold") for line in lines
+                       if not line.startswith("tokenizing")})
+
+    assert log_kinds(cold) == log_kinds(warm)
+
+
+def test_a_warm_started_process_exits_and_dies_as_a_cold_one(env, tmp_path):
+    if "WARM_START_SOCKET" not in env:
+        pytest.skip("WARM_START=0: every process starts cold")
+    (tmp_path / "exits.py").write_text("import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)\n")
+    (tmp_path / "dies.py").write_text("import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n")
+    (tmp_path / "waits.py").write_text("import time; print('waiting', flush=True); time.sleep(60)\n")
+    exits = run([sys.executable, tmp_path / "exits.py"], env, tmp_path, check=False)
+    assert (exits.returncode, exits.stdout, exits.stderr) == (3, "out\n", "err\n")
+    assert run([sys.executable, tmp_path / "dies.py"], env, tmp_path, check=False).returncode == -signal.SIGKILL
+    waiting = subprocess.Popen([sys.executable, tmp_path / "waits.py"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    assert waiting.stdout.readline() == "waiting\n"
+    waiting.terminate()  # NOTE: relayed to the forked process, which dies of it, and so does its stand-in
+    assert waiting.wait(timeout=30) == -signal.SIGTERM
+    waiting.stdout.close()
+    assert sum("waits.py" in " ".join(argv) for argv in warm_served(env).values()) == 1

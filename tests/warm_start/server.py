@@ -50,6 +50,7 @@ def main():
         json.dump({"environment": environment_before, "set_by_imports": set_by_imports}, file)
     print("ready", flush=True)
 
+    served = open(socket_path + ".served.jsonl", "a")  # NOTE: what ran warm, for the tests of this server
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     children = {}  # pid -> the client's connection
@@ -64,11 +65,14 @@ def main():
                 if pid == 0:
                     selector.close()
                     listener.close()
+                    served.close()
                     for other in connections:
                         other.close()
                     run_child(request, fds, connection, set_by_imports)
                 for fd in fds:
                     os.close(fd)
+                served.write(json.dumps({"pid": pid, "argv": request["argv"], "cwd": request["cwd"]}) + "\n")
+                served.flush()
                 connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 children[pid] = connection
                 connections[connection] = [pid, b""]
@@ -171,7 +175,8 @@ def run_child(request, fds, connection, set_by_imports):
         elif isinstance(exit_request.code, int):
             code = exit_request.code
         else:
-            print(exit_request.code, file=sys.stderr)
+            # NOTE: in one write, as the ranks of a job share one stderr: print()'s two writes can interleave.
+            sys.stderr.write(f"{exit_request.code}\n")
             code = 1
     except BaseException:
         sys.excepthook(*sys.exc_info())
