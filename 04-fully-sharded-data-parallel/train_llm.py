@@ -139,7 +139,6 @@ def main():
 
     # 6. The training loop.
     model.train()
-    timer = StepTimer(device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
     steps_this_run, tokens_since_log = 0, 0
@@ -152,7 +151,7 @@ def main():
                                     rank, world_size)
         micro_batches = iter(dataloader)
         for _ in range(len(dataloader) // args.grad_accum):
-            timer.reset()
+            timer = StepTimer(device)
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
@@ -783,9 +782,6 @@ class StepTimer:
 
     def __init__(self, device):
         self.use_cuda_events = device.type == "cuda"
-        self.spans = []
-
-    def reset(self):
         self.spans = []
 
     @contextlib.contextmanager

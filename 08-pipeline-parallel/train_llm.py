@@ -156,8 +156,7 @@ def main():
 
     # 6. The training loop, one pipeline schedule per micro-step.
     model.train()
-    timer = StepTimer(device)
-    recorder = PipelineRecorder(timer)
+    recorder = PipelineRecorder()
     # NOTE: the loss of each micro-batch is its mean over its tokens, divided by the number of micro-batches of the
     # step: their sum is the mean over the whole batch, chapter 01's loss. scale_grads=False in the schedule then,
     # or it would divide the gradients by the number of micro-batches a second time.
@@ -176,8 +175,8 @@ def main():
                                     dp_rank, dp_size)
         micro_batches = iter(dataloader)
         for _ in range(len(dataloader) // args.grad_accum):
-            timer.reset()
-            recorder.reset()
+            timer = StepTimer(device)
+            recorder.start_step(timer)
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
@@ -943,9 +942,6 @@ class StepTimer:
         self.use_cuda_events = device.type == "cuda"
         self.spans = []
 
-    def reset(self):
-        self.spans = []
-
     @contextlib.contextmanager
     def __call__(self, name):
         if self.use_cuda_events:
@@ -1023,11 +1019,9 @@ class PipelineRecorder:
     backward is done, so how many a stage holds at once depends on the schedule: GPipe runs all forwards first.
     """
 
-    def __init__(self, timer):
+    def start_step(self, timer):
+        """Forget the last step's records and record this one, timed by the step's own timer."""
         self.timer = timer
-        self.reset()
-
-    def reset(self):
         self.events = []
         self.saved_bytes = {}
         self.held_bytes = self.peak_bytes = self.peak_microbatches = 0
