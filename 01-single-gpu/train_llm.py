@@ -113,7 +113,7 @@ def main():
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
-                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                    input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
                     attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                 with timer("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                     # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
@@ -369,12 +369,8 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device):
     samples_per_step = args.batch_size * args.grad_accum
     num_samples = len(dataset) // samples_per_step * samples_per_step
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:num_samples])
-    return DataLoader(remaining, batch_size=args.batch_size, collate_fn=stack_input_ids, num_workers=args.num_workers,
+    return DataLoader(remaining, batch_size=args.batch_size, num_workers=args.num_workers,
                       pin_memory=device.type == "cuda")
-
-
-def stack_input_ids(samples):
-    return torch.stack([sample["input_ids"] for sample in samples])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -163,7 +163,7 @@ def main():
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
-                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                    input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
                     attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                 # NOTE: loss_parallel() computes the cross-entropy from logits that stay split across ranks along
                 # the vocabulary: no rank ever holds the full batch x sequence x vocabulary logits. It must wrap the
@@ -617,11 +617,7 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     samples_per_step = args.batch_size * args.grad_accum
     num_steps = len(sampler) // samples_per_step
     return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
-                      collate_fn=stack_input_ids, num_workers=args.num_workers, pin_memory=device.type == "cuda")
-
-
-def stack_input_ids(samples):
-    return torch.stack([sample["input_ids"] for sample in samples])
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

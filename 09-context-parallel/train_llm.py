@@ -174,7 +174,7 @@ def main():
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
-                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                    input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
                     attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                     # NOTE: this rank's share of the sequences: its tokens, with their positions and labels cut
                     # from the whole sequences, and the count of all the tokens the micro-batch predicts.
@@ -957,11 +957,7 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     samples_per_step = args.batch_size * args.grad_accum
     num_steps = len(sampler) // samples_per_step
     return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
-                      collate_fn=stack_input_ids, num_workers=args.num_workers, pin_memory=device.type == "cuda")
-
-
-def stack_input_ids(samples):
-    return torch.stack([sample["input_ids"] for sample in samples])
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
