@@ -173,7 +173,6 @@ def main():
     LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # Arguments and logging
 
 
@@ -248,7 +247,6 @@ def setup_logging():
                         stream=sys.stdout)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 1. The model
 
 
@@ -297,7 +295,6 @@ def init_weights(model, seed):
         param.copy_(full_value)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 2. The data
 
 
@@ -373,7 +370,6 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device):
                       pin_memory=device.type == "cuda")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 3. The optimizer and the learning rate schedule
 
 
@@ -385,7 +381,6 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 4. Checkpoints
 
 
@@ -454,7 +449,6 @@ def set_rng_state(rng_state):
         torch.cuda.set_rng_state(rng_state["cuda"])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 5. Experiment tracking
 
 

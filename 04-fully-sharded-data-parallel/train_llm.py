@@ -227,7 +227,6 @@ def main():
     dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # Arguments and logging
 
 
@@ -405,7 +404,6 @@ def rank_zero_first():
     dist.destroy_process_group(waiting_group)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 1. The model
 
 
@@ -492,7 +490,6 @@ def reset_rotary_embeddings(model, device):
                 module.register_buffer(name, buffer.to(device), persistent=False)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 2. The data
 
 
@@ -571,7 +568,6 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
                       num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 3. The optimizer and the learning rate schedule
 
 
@@ -583,7 +579,6 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 4. Checkpoints
 
 
@@ -679,7 +674,6 @@ def set_rng_state(rng_state):
         torch.cuda.set_rng_state(rng_state["cuda"])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 5. Experiment tracking
 
 

@@ -251,7 +251,6 @@ def main():
     dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # Arguments and logging
 
 
@@ -439,7 +438,6 @@ def rank_zero_first():
     dist.destroy_process_group(waiting_group)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 1. The model
 
 
@@ -596,7 +594,6 @@ def reset_rotary_embeddings(model, device):
                 module.register_buffer(name, buffer.to(device), persistent=False)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 1b. Attention across the split: each rank holds some tokens of every sequence, and attention needs them all
 
 
@@ -881,7 +878,6 @@ def pytorch_ring_attention(module, query, key, value, attention_mask, scaling, c
     return output.to_local().transpose(1, 2), None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 2. The data
 
 
@@ -960,7 +956,6 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
                       num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 3. The optimizer and the learning rate schedule
 
 
@@ -972,7 +967,6 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 4. Checkpoints
 
 
@@ -1068,7 +1062,6 @@ def set_rng_state(rng_state):
         torch.cuda.set_rng_state(rng_state["cuda"])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 5. Experiment tracking
 
 
@@ -1194,7 +1187,6 @@ class StepTimer:
 
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 6. The training step
 
 
