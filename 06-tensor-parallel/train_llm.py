@@ -245,10 +245,8 @@ def get_parser():
     model_and_data.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                                 help="Hugging Face hub name or local folder with config.json and the tokenizer")
     model_and_data.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
-                                help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, "
-                                     ".parquet)")
-    model_and_data.add_argument("--dataset-subset", default=None,
-                                help="the data set's configuration name, if it has several")
+                                help="Hugging Face hub name, or local folder or file (.jsonl .json .csv .txt .parquet)")
+    model_and_data.add_argument("--dataset-subset", help="the data set's configuration name, if it has several")
     model_and_data.add_argument("--text-column", default="text", help="the data set's column that holds the text")
     model_and_data.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
     model_and_data.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -264,13 +262,10 @@ def get_parser():
     training.add_argument("--weight-decay", type=float, default=0.1)
     training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
     training.add_argument("--max-steps", type=int, default=200,
-                          help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
-                               "one would)")
-    training.add_argument("--num-epochs", type=int, default=None,
-                          help="train for this many passes over the data set instead of --max-steps")
-    training.add_argument("--exit-after-steps", type=int, default=None,
-                          help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time "
-                               "limit")
+                          help="total optimizer steps; a resumed run stops where an uninterrupted one would")
+    training.add_argument("--num-epochs", type=int, help="passes over the data set to train, instead of --max-steps")
+    training.add_argument("--exit-after-steps", type=int,
+                          help="checkpoint and exit after this many steps of this run, e.g. to fit a job's time limit")
     checkpoints = parser.add_argument_group("checkpoints and logging")
     checkpoints.add_argument("-e", "--experiment-name", default="quickstart",
                              help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
@@ -282,11 +277,9 @@ def get_parser():
     checkpoints.add_argument("--wandb-project", default="distributed-training-guide")
     parallelism = parser.add_argument_group("parallelism")
     parallelism.add_argument("--dist-timeout", type=int, default=600,
-                             help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
-                                  "the process group's timeout, the same for every backend")
+                             help="seconds a collective waits for the other ranks before the job fails, any backend")
     parallelism.add_argument("--rdzv-timeout", type=int, default=300,
-                             help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
-                                  "by srun or mpirun, before giving up")
+                             help="seconds to wait for the rendezvous at MASTER_ADDR:MASTER_PORT under srun or mpirun")
     return parser
 
 
