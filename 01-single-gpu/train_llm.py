@@ -100,8 +100,7 @@ def main():
     # 6. The training loop.
     model.train()
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True)
-    steps_this_run, tokens_since_log = 0, 0
-    time_of_last_log = time.perf_counter()
+    steps_this_run, tokens_since_log, time_of_last_log = 0, 0, time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     done = train_state["step"] >= max_steps
@@ -144,9 +143,8 @@ def main():
                 # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
                 # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
                 loss_value = step_loss.item()
-                seconds = time.perf_counter() - time_of_last_log
-                time_of_last_log = time.perf_counter()
-                tokens_per_second = tokens_since_log / seconds
+                tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
+                tokens_since_log, time_of_last_log = 0, time.perf_counter()
                 record = {
                     "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
@@ -154,7 +152,6 @@ def main():
                     **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
                 }
                 log_metrics(record, metrics_file)
-                tokens_since_log = 0
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
 

@@ -165,8 +165,7 @@ def main():
         stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device, recorder)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
-    steps_this_run, tokens_since_log = 0, 0
-    time_of_last_log = time.perf_counter()
+    steps_this_run, tokens_since_log, time_of_last_log = 0, 0, time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     done = train_state["step"] >= max_steps
@@ -219,9 +218,8 @@ def main():
                 # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
                 # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
                 loss_value = step_loss.item()
-                seconds = time.perf_counter() - time_of_last_log
-                time_of_last_log = time.perf_counter()
-                tokens_per_second = tokens_since_log / seconds
+                tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
+                tokens_since_log, time_of_last_log = 0, time.perf_counter()
                 times = timer.read_ms()
                 # NOTE: the forward (with the loss) and backward spans lie inside the pipeline span: the rest of it,
                 # this rank waited for its neighbours (the bubble) or for the point-to-point transfers.
@@ -237,7 +235,6 @@ def main():
                     record["pipeline_idle_fraction"] = log_pipeline_stats(step, args, num_microbatches, pipeline_stats,
                                                                           pipeline_file)
                     log_metrics(record, metrics_file)
-                tokens_since_log = 0
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
 
