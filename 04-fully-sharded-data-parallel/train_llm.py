@@ -408,11 +408,10 @@ def load_model_config(model_name):
 def get_attention_kwargs(attn_implementation, input_ids):
     """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
 
-    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
-    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
-    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
-    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
-    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids pack several
+    sequences into one row, reading position_ids on the host: a host-device sync in every layer of every forward and a
+    graph break in every compiled one. Given the boundaries (cu_seq_lens: every sequence is seq_length tokens) and the
+    longest length, it calls flash_attn_varlen_func directly: the same causal attention. SDPA and eager need nothing.
     """
     if attn_implementation != "flash_attention_2":
         return {}
@@ -448,9 +447,8 @@ def init_weights(model, seed):
     """Initialize every parameter from a generator seeded with the seed and the parameter's name.
 
     NOTE: each parameter's values depend only on (seed, name, device type), not on the order in which parameters
-    are created or on how the model is split. That is what lets every later chapter, however it splits the model
-    across GPUs, start from exactly the same weights as this one, and so reproduce this chapter's loss curve.
-    (CPU and CUDA generators draw different numbers: compare GPU runs with GPU runs.)
+    are created or on how the model is split: every later chapter, however it splits the model across GPUs, starts
+    from this one's weights and reproduces its loss curve. (CPU and CUDA generators differ: compare GPU with GPU.)
     """
     std = model.config.initializer_range
     for name, param in model.named_parameters():
@@ -618,8 +616,7 @@ def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
     torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
                temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
-    # which saves that tokenizer next to the weights.
+    # NOTE: where -m came from (a local folder made absolute): convert_to_hf.py saves its tokenizer with the weights.
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -742,10 +739,9 @@ def log_metrics(record, metrics_file):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key.removesuffix('_gb')} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
     times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
-    LOGGER.info(
-        f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}"
-        f" | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory} | ms: {times}"
-    )
+    LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
+                f" | ms: {times}")
     wandb.log(record, step=record["step"])
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
