@@ -841,14 +841,12 @@ def get_flops_per_token(model, config, seq_length):
     parameters that do matmuls, L layers, H heads, Q the head dimension and T the sequence length.
     """
     num_params = sum(p.numel() for p in model.parameters())
-    # NOTE: the input embedding is a table lookup, not a matmul: its weights do no FLOPs. Unless they are tied to
-    # the output head (Llama 3.2 1B and 3B), in which case they are counted once, for the head's matmul.
+    # NOTE: the input embedding is a lookup, not a matmul: no FLOPs, unless tied to the output head (Llama 3.2 1B, 3B).
     if not config.tie_word_embeddings:
         num_params -= model.get_input_embeddings().weight.numel()
-    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
     # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
 # Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
@@ -907,9 +905,8 @@ def log_metrics(record, metrics_file):
 class StepTimer:
     """Time the phases of a training step (data, forward, backward, update) without stalling the GPU.
 
-    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a forward pass on a GPU measures only how long
-    the CPU took to queue its kernels. CUDA events are recorded into the GPU's stream instead and read once, on
-    logging steps, after a single synchronization. On the CPU, work is synchronous and the wall clock is right.
+    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a GPU forward measures only the CPU queueing its
+    kernels. CUDA events go into the GPU's stream instead, read once per logging step, after a single synchronization.
     """
 
     def __init__(self, device):
