@@ -189,8 +189,7 @@ def main():
                     schedule.step(*([input_ids] if has_first_stage else []),
                                   target=input_ids if has_last_stage else None, losses=losses, return_outputs=False)
                 # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
-                # the GPU to finish every step; we read the value only on logging steps. Only the last stage has
-                # a loss; the others add nothing.
+                # the GPU to finish every step; we read the value only on logging steps.
                 if has_last_stage:
                     step_loss += torch.stack(losses).sum().detach()
             with timer("update"):
@@ -456,8 +455,7 @@ def get_attention_kwargs(attn_implementation, input_ids):
         return {}
     batch_size, seq_length = input_ids.shape
     boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
-    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
-            "max_length_k": seq_length}
+    return dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=seq_length, max_length_k=seq_length)
 
 
 # --pp-schedule: torch.distributed.pipelining's schedule of each name (get_schedule_class() knows them by these).
@@ -501,12 +499,11 @@ def check_pipeline_layout(args, world_size, config):
 def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
     """Cut the model into pp_degree x stages_per_rank stages of consecutive decoder layers; keep this rank's only.
 
-    The first stage also runs the embeddings, the last the final norm and the output head. Stage s runs on pp rank
-    s % pp_degree: with several stages per rank, rank r runs stages r, r + pp_degree, ... (the order the interleaved
-    schedule expects). The model is left holding only what this rank's stages run, under the whole model's names:
-    the layers stay in a ModuleDict keyed by their index in the whole model (model.layers.5.mlp.up_proj.weight on
-    whichever stage holds layer 5), and the modules of other ranks' stages are set to None, as torchtitan does.
-    Those names are what init_weights() seeds by and what the checkpoints are keyed by.
+    The first stage also runs the embeddings, the last the final norm and the output head. Stage s runs on pp rank s %
+    pp_degree: rank r runs stages r, r + pp_degree, ... (the order the interleaved schedule expects). The model keeps
+    only what this rank's stages run, under the whole model's names: the layers stay in a ModuleDict keyed by their
+    index in the whole model (model.layers.5.mlp.up_proj.weight on whichever stage holds layer 5), and other ranks'
+    modules are set to None, as torchtitan does. init_weights() and the checkpoints go by those names.
     """
     num_stages = pp_degree * stages_per_rank
     num_layers = model.config.num_hidden_layers
@@ -514,10 +511,8 @@ def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
     first_layers = [stage * (num_layers // num_stages) + min(stage, num_layers % num_stages)
                     for stage in range(num_stages + 1)]
     stage_indices = [pp_rank + pp_degree * local_index for local_index in range(stages_per_rank)]
-    model.model.layers = torch.nn.ModuleDict({
-        str(index): model.model.layers[index]
-        for stage in stage_indices for index in range(first_layers[stage], first_layers[stage + 1])
-    })
+    model.model.layers = torch.nn.ModuleDict({str(index): model.model.layers[index] for stage in stage_indices
+                                              for index in range(first_layers[stage], first_layers[stage + 1])})
     if 0 not in stage_indices:
         model.model.embed_tokens = None
     if num_stages - 1 not in stage_indices:
@@ -531,9 +526,8 @@ class DecoderStage(torch.nn.Module):
     """One pipeline stage of a Llama-family model: the embeddings (first stage only), a run of decoder layers, then
     the final norm and the output head (last stage only).
 
-    Its forward takes what the previous stage sends, or the token ids on the first stage, and returns what the next
-    stage receives: the hidden states, or on the last stage the logits. The modules are the model's own (no copies),
-    so the model's parameter names still reach them.
+    Its forward takes the previous stage's hidden states (the token ids on the first stage) and returns the next
+    stage's (the logits on the last). The modules are the model's own, no copies: its parameter names reach them.
     """
 
     def __init__(self, model, stage_index, num_stages, layer_indices):
@@ -585,9 +579,8 @@ def shard_model(stage, dp_mesh, dtype, pp_degree):
         # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
         # again for its backward: memory of one layer instead of all, for one more all-gather. The last layer
         # is the first to run backward, right after forward, so freeing it would only gather it again at once.
-        # In a pipeline each layer runs a forward for every micro-batch, and its backwards come later: resharding
-        # would all-gather it again for every micro-batch, twice. With pp > 1 the stage's layers stay gathered
-        # through the step (torchtitan's default too): the stage is 1/pp of the model, and that is the memory.
+        # In a pipeline a layer runs a forward for every micro-batch, its backwards later: resharding would gather it
+        # twice per micro-batch. With pp > 1 the stage's layers stay gathered (torchtitan's default): 1/pp of the model.
         fully_shard(layer, **fsdp_config, reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
     # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
     fully_shard(stage, **fsdp_config, reshard_after_forward=False)
@@ -982,11 +975,10 @@ class PipelineRecorder:
     """What this rank's stages compute in a step: when each micro-batch's forward, loss and backward ran, and the
     activations each micro-batch keeps from its forward to its backward.
 
-    NOTE: the time a rank spends in the schedule outside these computations, it waits: for the previous stage's
-    activations, the next stage's gradients, or the transfers. That is the pipeline's bubble, measured. The
-    activations are the tensors autograd saves in a forward for the backward (saved-tensor hooks, as chapter 05
-    counts them), each storage once and the weights left out. A micro-batch holds them from its forward until its
-    backward is done, so how many a stage holds at once depends on the schedule: GPipe runs all forwards first.
+    NOTE: the time a rank spends in the schedule outside these computations, it waits (for a neighbour's activations or
+    gradients, or the transfers): the pipeline's bubble, measured. The activations are the tensors autograd saves for
+    the backward (saved-tensor hooks, as in chapter 05), each storage once, no weights. A micro-batch holds them from
+    its forward until its backward, so how many a stage holds depends on the schedule (GPipe runs all forwards first).
     """
 
     def start_step(self, timer):
@@ -1040,10 +1032,9 @@ class PipelineRecorder:
 def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
     """Clip the gradients by the norm of the whole model's gradient, over all stages; return that norm.
 
-    NOTE: torch.nn.utils.clip_grad_norm_() sees the parameters it is given, this rank's stages only: each stage
-    would clip by the norm of its own layers, a different factor per stage, and train a model with different
-    gradients than chapter 01's, without any error. The squared norms of the stages add up to the squared norm of
-    the whole model (torchtitan's clip_grad_norm_ does the same).
+    NOTE: torch.nn.utils.clip_grad_norm_() sees only the parameters it is given, this rank's stages: each stage
+    would clip by its own layers' norm, a different factor per stage, and train on other gradients than chapter 01's
+    without any error. The stages' squared norms add up to the whole model's (as torchtitan's clip_grad_norm_ does).
     """
     parameters = list(parameters)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
@@ -1056,10 +1047,9 @@ def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
 
 
 def gather_pipeline_stats(recorder, timer, rank, pp_rank, dp_rank):
-    """Every rank's pipeline figures of this step, on rank 0 (None elsewhere). Call after timer.read_ms(), which
-    waits for the GPU, on logging steps only: it communicates.
+    """Every rank's pipeline figures of this step, on rank 0 (None elsewhere), in ms from its first schedule's start.
 
-    The times are in milliseconds from the start of this rank's first pipeline schedule of the step.
+    NOTE: call it after timer.read_ms(), which waits for the GPU, and on logging steps only: it communicates.
     """
     pipeline_spans = [(start, end) for name, start, end in timer.spans if name == "pipeline"]
     reference = pipeline_spans[0][0]
@@ -1069,17 +1059,10 @@ def gather_pipeline_stats(recorder, timer, rank, pp_rank, dp_rank):
 
     events = [(kind, stage, microbatch, milliseconds(start), milliseconds(end))
               for kind, stage, microbatch, start, end in recorder.events]
-    stats = {
-        "rank": rank,
-        "pp_rank": pp_rank,
-        "dp_rank": dp_rank,
-        "stages": sorted({stage for _, stage, *_ in events}),
-        "pipeline_ms": sum(milliseconds(end) - milliseconds(start) for start, end in pipeline_spans),
-        "busy_ms": sum(end - start for *_, start, end in events),
-        "peak_activations_mb": recorder.peak_bytes / 1e6,
-        "peak_microbatches": recorder.peak_microbatches,
-        "events": events,
-    }
+    stats = {"rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "stages": sorted({stage for _, stage, *_ in events}),
+             "pipeline_ms": sum(milliseconds(end) - milliseconds(start) for start, end in pipeline_spans),
+             "busy_ms": sum(end - start for *_, start, end in events), "peak_activations_mb": recorder.peak_bytes / 1e6,
+             "peak_microbatches": recorder.peak_microbatches, "events": events}
     all_stats = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(stats, all_stats, dst=0)
     return all_stats
@@ -1089,10 +1072,9 @@ def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
     """Log each stage's idle share of the step and its peak activations, write the step's timeline of every rank to
     pipeline.jsonl, and return the idle share averaged over the ranks of the first pipeline.
 
-    NOTE: a stage's own time in the schedule is not the pipeline's: the last stage leaves as soon as its last
-    backward is done, and waits for the first stage's last backward in the next collective (the gradient norm's).
-    The pipeline's step lasts as long as its longest rank's schedule, the first stage's; each stage is idle for
-    that time minus its own computations.
+    NOTE: a stage's own time in the schedule is not the pipeline's: the last stage leaves once its last backward is
+    done, and waits for the first stage's in the next collective (the gradient norm's). The pipeline's step lasts as
+    long as its longest rank's schedule, the first stage's; each stage is idle for that minus its own computations.
     """
     first_pipeline = [stats for stats in all_stats if stats["dp_rank"] == 0]
     pipeline_ms = max(stats["pipeline_ms"] for stats in first_pipeline)
@@ -1105,6 +1087,7 @@ def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
                                     "microbatches": num_microbatches, "ranks": all_stats}) + "\n")
     pipeline_file.flush()
     return sum(idle_fractions) / len(idle_fractions)
+
 
 if __name__ == "__main__":
     main()
