@@ -291,10 +291,9 @@ def require(condition, message):
 def get_distributed_environment(rdzv_timeout):
     """Who started this process, and its rank, local rank and world size.
 
-    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every
-    process directly and set variables of their own, which are translated here; their job scripts export
-    MASTER_ADDR and MASTER_PORT. A plain `python train_llm.py` is a world of one process.
-    init_process_group() then reads the standard variables, whoever set them.
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every process
+    directly and set variables of their own, translated here; their job scripts export MASTER_ADDR and MASTER_PORT. A
+    plain `python train_llm.py` is a world of one process. init_process_group() reads the standard variables.
     """
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
@@ -372,10 +371,9 @@ def rank_zero_first():
     """Run the block on rank 0 first, then on the others.
 
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
-    everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
-    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
-    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
-    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
+    everything there, instead of 64 processes downloading and tokenizing the same at once. They wait in a barrier of a
+    gloo group of their own, whose timeout is a day: rank 0's work can outlast the process group's --dist-timeout, which
+    would end the job at a barrier of the default group. If rank 0 fails, its connections close and the others fail too.
     """
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     if dist.get_rank() != 0:

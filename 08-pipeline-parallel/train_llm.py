@@ -336,10 +336,9 @@ def require(condition, message):
 def get_distributed_environment(rdzv_timeout):
     """Who started this process, and its rank, local rank and world size.
 
-    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every
-    process directly and set variables of their own, which are translated here; their job scripts export
-    MASTER_ADDR and MASTER_PORT. A plain `python train_llm.py` is a world of one process.
-    init_process_group() then reads the standard variables, whoever set them.
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every process
+    directly and set variables of their own, translated here; their job scripts export MASTER_ADDR and MASTER_PORT. A
+    plain `python train_llm.py` is a world of one process. init_process_group() reads the standard variables.
     """
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
@@ -417,10 +416,9 @@ def rank_zero_first():
     """Run the block on rank 0 first, then on the others.
 
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
-    everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
-    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
-    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
-    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
+    everything there, instead of 64 processes downloading and tokenizing the same at once. They wait in a barrier of a
+    gloo group of their own, whose timeout is a day: rank 0's work can outlast the process group's --dist-timeout, which
+    would end the job at a barrier of the default group. If rank 0 fails, its connections close and the others fail too.
     """
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     if dist.get_rank() != 0:
@@ -601,9 +599,8 @@ def init_weights(model, seed):
             full_value = torch.ones(param.shape, device=param.device)
         else:
             full_value = torch.empty(param.shape, device=param.device).normal_(mean=0.0, std=std, generator=generator)
-        # NOTE: param is this rank's shard (a DTensor). distribute_tensor() cuts the same slice out of the full
-        # value, so the sharded model holds exactly the weights the unsharded one of chapter 01 holds.
-        # Every rank drew the same full value, so src_data_rank=None cuts it locally instead of sending it.
+        # NOTE: param is this rank's shard (a DTensor): distribute_tensor() cuts its slice out of the full value,
+        # chapter 01's weights exactly. Every rank drew the same value: src_data_rank=None cuts it locally.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 

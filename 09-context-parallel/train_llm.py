@@ -107,8 +107,7 @@ def main():
     # shard, still on meta; to_empty() allocates only those shards on the device; init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
-    # NOTE: the dp and cp ranks all hold the same weights, so FSDP shards them over all of them: over the (dp, cp)
-    # mesh flattened into one dimension, as torchtitan does.
+    # NOTE: dp and cp ranks hold the same weights: FSDP shards them over the flattened (dp, cp) mesh, as in torchtitan.
     shard_model(model, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.cpu_offload)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
@@ -183,9 +182,8 @@ def main():
                 # And no no_sync(): skipping the reduce-scatter would keep full, unsharded gradients in memory
                 # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
                 with timer("forward"):
-                    # NOTE: the labels come shifted (shift_labels; transformers computes a loss only when labels
-                    # is given as well), and the loss is this rank's tokens' summed loss over the count of all
-                    # predicted tokens (num_items_in_batch): this rank's share of the global micro-batch's mean.
+                    # NOTE: the labels come shifted (shift_labels, plus labels: without them, no loss). The loss is
+                    # this rank's summed loss over all predicted tokens (num_items_in_batch): its share of the mean.
                     # use_cache=False: no KV cache. Only generation needs one; in training it would keep every
                     # layer's keys and values alive (twice, for a layer that activation checkpointing recomputes).
                     loss = model(input_ids=input_ids, position_ids=position_ids, labels=shift_labels,
@@ -296,8 +294,7 @@ def get_parser():
                                   "node, for long sequences); the others run data parallel")
     parallelism.add_argument("--cp-attention", choices=["ring", "all-to-all", "pytorch"], default="ring",
                              help="attention across the split: ring (key/value blocks passed around the cp ranks), "
-                                  "all-to-all (sequence shards to head shards and back), or pytorch (PyTorch's "
-                                  "context_parallel ring over fused kernels, CUDA only)")
+                                  "all-to-all (sequence to head shards and back), pytorch (PyTorch's own, CUDA only)")
     parallelism.add_argument("--cp-load-balance", choices=["on", "off"], default="on",
                              help="give each cp rank one early and one late chunk of every sequence, so that causal "
                                   "attention costs every rank the same; off: one contiguous chunk each")
@@ -332,10 +329,9 @@ def require(condition, message):
 def get_distributed_environment(rdzv_timeout):
     """Who started this process, and its rank, local rank and world size.
 
-    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every
-    process directly and set variables of their own, which are translated here; their job scripts export
-    MASTER_ADDR and MASTER_PORT. A plain `python train_llm.py` is a world of one process.
-    init_process_group() then reads the standard variables, whoever set them.
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every process
+    directly and set variables of their own, translated here; their job scripts export MASTER_ADDR and MASTER_PORT. A
+    plain `python train_llm.py` is a world of one process. init_process_group() reads the standard variables.
     """
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
@@ -413,10 +409,9 @@ def rank_zero_first():
     """Run the block on rank 0 first, then on the others.
 
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
-    everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
-    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
-    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
-    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
+    everything there, instead of 64 processes downloading and tokenizing the same at once. They wait in a barrier of a
+    gloo group of their own, whose timeout is a day: rank 0's work can outlast the process group's --dist-timeout, which
+    would end the job at a barrier of the default group. If rank 0 fails, its connections close and the others fail too.
     """
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     if dist.get_rank() != 0:
@@ -457,9 +452,8 @@ def get_attention_kwargs(attn_implementation, input_ids):
 def get_device_mesh(device, world_size, cp_degree):
     """Lay the ranks out on a (dp, cp) grid: consecutive ranks (one node's GPUs) split the same sequences.
 
-    NOTE: the last dimension varies fastest: with 2 nodes of 4 GPUs and --cp 4, ranks 0-3 (node 0) are one cp
-    group, ranks 4-7 another, and ranks 0 and 4 share a dp group. Ring attention passes key/value blocks between
-    the ranks of a cp group in every layer: over NVLink inside a node, not over the network.
+    NOTE: the last dimension varies fastest: with 2 nodes of 4 GPUs and --cp 4, ranks 0-3 (node 0) form one cp group,
+    4-7 another, and ranks 0 and 4 a dp group: ring attention's traffic, in every layer, stays on NVLink inside a node.
     """
     require(cp_degree >= 1 and world_size % cp_degree == 0, f"--cp {cp_degree} does not divide the world size "
             f"{world_size}; use a divisor of {world_size}, usually the number of GPUs per node or fewer")
@@ -497,9 +491,9 @@ def check_context_parallel(args, config, device):
 def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
     """Register the attention across the split as a Hugging Face attention implementation; return its name.
 
-    NOTE: each attention module calls the function registered under the config's attn_implementation with the
-    queries, keys and values (positions already rotated in) of this rank's tokens. No mask function is registered
-    under the name, so transformers builds no mask: the token layout tells each form which keys a query may see.
+    NOTE: each attention module calls the function registered under the config's attn_implementation with the queries,
+    keys and values (positions rotated in) of this rank's tokens. No mask function is registered under the name, so
+    transformers builds none: the token layout tells each form which keys a query sees.
     """
     forms = {"ring": ring_attention, "all-to-all": all_to_all_attention, "pytorch": pytorch_ring_attention}
     name = f"context_parallel_{cp_attention.replace('-', '_')}"
@@ -520,8 +514,7 @@ def shard_model(model, mesh, dtype, cpu_offload):
     NOTE: each fully_shard() call makes one group whose parameters are all-gathered, and whose gradients are
     reduce-scattered, in one collective. One group per decoder layer means only one or two layers are ever whole
     in memory, and FSDP prefetches the next layer's all-gather while the current one computes.
-    Here the mesh holds every rank, dp and cp: FSDP cannot tell a cp rank (other tokens of the same sequences)
-    from a dp rank (other sequences); both computed gradients of the same weights from different tokens.
+    Here the mesh holds every rank, dp and cp: to FSDP a cp rank (other tokens) is a dp rank (other sequences).
     """
     # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
     # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
@@ -535,10 +528,9 @@ def shard_model(model, mesh, dtype, cpu_offload):
         fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
     # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
-    # NOTE: FSDP divides the summed gradients by its number of ranks, to average per-rank means. Each rank's loss
-    # here is already its share of the global mean (its tokens' summed loss over the count of all predicted
-    # tokens), so the gradients must be summed, not averaged: a divide factor of 1, with a plain SUM reduction
-    # (else FSDP asks for NCCL's premultiplied sum, which gloo does not have).
+    # NOTE: FSDP divides the summed gradients by its number of ranks, to average per-rank means. Each rank's loss here
+    # is already its share of the global mean, so the gradients must be summed, not averaged: a divide factor of 1, with
+    # a plain SUM reduction (else FSDP asks for NCCL's premultiplied sum, which gloo does not have).
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -560,9 +552,8 @@ def init_weights(model, seed):
             full_value = torch.ones(param.shape, device=param.device)
         else:
             full_value = torch.empty(param.shape, device=param.device).normal_(mean=0.0, std=std, generator=generator)
-        # NOTE: param is this rank's shard (a DTensor). distribute_tensor() cuts the same slice out of the full
-        # value, so the sharded model holds exactly the weights the unsharded one of chapter 01 holds.
-        # Every rank drew the same full value, so src_data_rank=None cuts it locally instead of sending it.
+        # NOTE: param is this rank's shard (a DTensor): distribute_tensor() cuts its slice out of the full value,
+        # chapter 01's weights exactly. Every rank drew the same value: src_data_rank=None cuts it locally.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
@@ -586,11 +577,10 @@ def reset_rotary_embeddings(model, device):
 def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
     """The positions in the sequence of the tokens that rank cp_rank of a context-parallel group holds, in order.
 
-    NOTE: under the causal mask, token t attends to the t tokens before it. Cut into cp_size contiguous chunks, the
-    last rank's queries would see the whole sequence and the first rank's only their own chunk: the last rank does
-    2 x cp_size - 1 times the first one's work while the others wait for it. Load balancing cuts the sequence into
-    2 x cp_size chunks instead and gives rank i chunks i and 2 x cp_size - 1 - i, one early and one late: every
-    rank then does the same work.
+    NOTE: under the causal mask, token t attends to the t tokens before it. Cut into cp_size contiguous chunks, the last
+    rank's queries would see the whole sequence and the first rank's only their own chunk: the last rank does 2 x
+    cp_size - 1 times the first one's work while the others wait. Load balancing cuts the sequence into 2 x cp_size
+    chunks instead and gives rank i chunks i and 2 x cp_size - 1 - i, one early and one late: equal work.
     """
     if not load_balance:
         chunk = seq_length // cp_size
@@ -611,10 +601,9 @@ def ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence, whose keys and values go around the ring.
 
-    Forward: each of the cp_size steps computes this rank's queries against one rank's key/value block while the
-    block moves on to the next rank (send to rank + 1, receive from rank - 1), and folds the block's result into
-    the running one with its log-sum-exp (the online softmax of FlashAttention). Only this rank's queries, keys,
-    values, output and log-sum-exp are kept for backward: memory of this rank's tokens, never of the sequence.
+    Forward: each of the cp_size steps computes this rank's queries against one rank's key/value block while the block
+    moves on to rank + 1, folding the block's result into the running one by its log-sum-exp (the online softmax).
+    Backward keeps only this rank's queries, keys, values, output and log-sum-exp, never the whole sequence's.
 
     Backward: the key/value blocks go around once more, and with each travels the gradient of its keys and values,
     to which every rank adds its queries' part; after a full turn each block's gradient is back with its owner.
@@ -624,9 +613,8 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, scale, group, load_balance):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         batch, heads, tokens, head_dim = query.shape
-        # NOTE: the output is laid out in memory as (batch, tokens, heads, head_dim), the layout o_proj reads: the
-        # attention module's reshape is then a view, and o_proj keeps this very tensor for its backward, no copy.
-        # It is merged in fp32, whatever the model's dtype.
+        # NOTE: the output is laid out in memory as (batch, tokens, heads, head_dim), o_proj's layout: the attention
+        # module's reshape is then a view, and o_proj keeps this very tensor for its backward. Merged in fp32.
         output = torch.zeros(batch, tokens, heads, head_dim, dtype=torch.float32, device=query.device).transpose(1, 2)
         lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
         key_value = torch.stack([key, value])
@@ -712,11 +700,10 @@ def visible_block(rank, source, local_length, load_balance):
     """Which of this rank's queries see which keys of the source rank: (query rows, key columns, causal) or None.
 
     NOTE: the causal mask decides, per pair of ranks, between three cases, with no mask to build. Without load
-    balancing: a source rank before this one holds only earlier tokens (all visible), one after it only later
-    tokens (nothing to compute). With load balancing each rank holds an early chunk and a late chunk: a source rank
-    before this one has its early chunk before both of ours and its late chunk after both (our queries see its
-    early half); a source rank after this one has both chunks after our early chunk and before our late chunk
-    (only our late half sees them). Either way half a block: every rank does the same work at every step.
+    balancing: a source rank before this one holds earlier tokens only (all visible), one after it later ones (nothing
+    to compute). With load balancing each rank holds an early chunk and a late chunk: a source rank before this one has
+    its early chunk before both of ours and its late chunk after both (our queries see its early half); a source rank
+    after this one has both chunks between ours (only our late half sees them). Either way half a block: equal work.
     """
     everything = slice(None)
     if source == rank:
@@ -733,9 +720,8 @@ def visible_block(rank, source, local_length, load_balance):
 def attention_block(query, key, value, scale, causal):
     """softmax(query key^T x scale) value for one block of queries and keys, and each query's log-sum-exp.
 
-    NOTE: plain matrix products in fp32, so that the split is exact and runs on any device: the block's scores
-    (queries x keys of one rank) exist only inside this call and its backward's recomputation, never kept, and
-    are turned into probabilities in place: one block-sized tensor at a time.
+    NOTE: plain matrix products in fp32, exact and on any device. The block's scores (queries x keys of one rank) live
+    only in this call and its backward's recomputation, turned into probabilities in place: one block-sized tensor.
     """
     scores = block_scores(query, key, scale, causal)
     lse = scores.logsumexp(-1, keepdim=True)
@@ -767,8 +753,7 @@ def block_scores(query, key, scale, causal):
     batch, heads, num_queries, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     grouped_query = query.float().reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)
-    scores = grouped_query @ key.float().transpose(-1, -2)
-    scores.mul_(scale)
+    scores = (grouped_query @ key.float().transpose(-1, -2)).mul_(scale)
     if causal:
         future = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).triu(1)
         scores.masked_fill_(future.repeat(heads // kv_heads, 1), float("-inf"))
@@ -790,9 +775,8 @@ def merge_block(output, lse, block_output, block_lse):
 def all_to_all_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
     """All-to-all (DeepSpeed-Ulysses) attention, as a Hugging Face attention function.
 
-    NOTE: one all-to-all turns "this rank's tokens of every head" into "every token of this rank's heads"; attention
-    then is ordinary causal attention (SDPA, FlashAttention on GPUs) over the whole sequence, and a second
-    all-to-all turns the output back. It needs whole key/value heads on every rank: --cp must divide their number.
+    NOTE: one all-to-all turns "this rank's tokens of every head" into "every token of this rank's heads", for ordinary
+    causal attention (SDPA) over the whole sequence; a second turns it back. --cp must divide the kv heads.
     """
     group = cp_mesh.get_group()
     size = dist.get_world_size(group)
@@ -852,9 +836,8 @@ def pytorch_ring_attention(module, query, key, value, attention_mask, scaling, c
     """PyTorch's ring attention (CUDA only): SDPA on DTensors sharded along the sequence.
 
     NOTE: with the context-parallel dispatcher on (register_context_parallel_attention), SDPA on sequence-sharded
-    DTensors runs PyTorch's ring over the FlashAttention, memory-efficient or cuDNN kernel, forward and backward.
-    Its kernels want as many key/value heads as query heads, so they are repeated here (and passed around the ring
-    repeated: heads / kv_heads times the bytes of the ring form above).
+    DTensors runs PyTorch's ring over the FlashAttention, memory-efficient or cuDNN kernel, forward and backward. Its
+    kernels want as many key/value heads as query heads: they are repeated here, and passed around the ring so.
     """
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -1172,13 +1155,11 @@ class StepTimer:
 
 
 def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
-    """This rank's share of a micro-batch of whole sequences: (input_ids, position_ids, shift_labels,
-    num_items_in_batch).
+    """This rank's share of a micro-batch: (input_ids, position_ids, shift_labels, num_items_in_batch).
 
-    NOTE: the labels are shifted on the whole sequence, before the split: the label of a rank's last token is the
-    first token of the next chunk, which another rank holds; shifted after the split it would be lost, and the
-    last chunk's final token, which has nothing to predict, would get a label. The positions are cut from the whole
-    sequence as well: they tell the rotary embeddings where each token is.
+    NOTE: the labels are shifted on the whole sequence, before the split: the label of a rank's last token is the first
+    token of the next chunk, held by another rank; shifted after the split it would be lost, and the last chunk's final
+    token, which predicts nothing, would get one. The rotary embeddings' positions are cut from it too.
     """
     shift_labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
     # NOTE: the count of all predicted tokens in the global micro-batch (every dp rank's sequences, before the
@@ -1193,6 +1174,7 @@ def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
                                       input_ids.device)
     position_ids = token_indices.expand(input_ids.shape[0], -1)
     return input_ids[:, token_indices], position_ids, shift_labels[:, token_indices], num_items_in_batch
+
 
 if __name__ == "__main__":
     main()
