@@ -539,8 +539,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     return train_state
 
 
-# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
-# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
+# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 

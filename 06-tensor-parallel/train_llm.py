@@ -313,14 +313,12 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "torchrun"
     elif "SLURM_PROCID" in environment:
         launcher = "srun"
-        environment["RANK"] = environment["SLURM_PROCID"]
-        environment["LOCAL_RANK"] = environment["SLURM_LOCALID"]
-        environment["WORLD_SIZE"] = environment["SLURM_NTASKS"]
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+                           LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"
-        environment["RANK"] = environment["OMPI_COMM_WORLD_RANK"]
-        environment["LOCAL_RANK"] = environment["OMPI_COMM_WORLD_LOCAL_RANK"]
-        environment["WORLD_SIZE"] = environment["OMPI_COMM_WORLD_SIZE"]
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
         launcher = "python (a single process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -694,8 +692,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
     return train_state
 
 
-# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
-# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
+# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 

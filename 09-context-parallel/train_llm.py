@@ -290,14 +290,12 @@ def get_parser():
     parallelism.add_argument("--cpu-offload", action="store_true",
                              help="keep parameters, gradients and AdamW state in CPU memory and step there (CUDA only)")
     parallelism.add_argument("--cp", type=int, default=1,
-                             help="context-parallel degree: ranks that split each sequence between them (the GPUs of a "
-                                  "node, for long sequences); the others run data parallel")
+                             help="context-parallel degree: ranks per sequence; the others run data parallel")
     parallelism.add_argument("--cp-attention", choices=["ring", "all-to-all", "pytorch"], default="ring",
                              help="attention across the split: ring (key/value blocks passed around the cp ranks), "
                                   "all-to-all (sequence to head shards and back), pytorch (PyTorch's own, CUDA only)")
     parallelism.add_argument("--cp-load-balance", choices=["on", "off"], default="on",
-                             help="give each cp rank one early and one late chunk of every sequence, so that causal "
-                                  "attention costs every rank the same; off: one contiguous chunk each")
+                             help="an early and a late chunk per cp rank (equal causal work); off: one chunk each")
     parallelism.add_argument("--dist-timeout", type=int, default=600,
                              help="seconds a collective waits for the other ranks before the job fails, any backend")
     parallelism.add_argument("--rdzv-timeout", type=int, default=300,
@@ -338,14 +336,12 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "torchrun"
     elif "SLURM_PROCID" in environment:
         launcher = "srun"
-        environment["RANK"] = environment["SLURM_PROCID"]
-        environment["LOCAL_RANK"] = environment["SLURM_LOCALID"]
-        environment["WORLD_SIZE"] = environment["SLURM_NTASKS"]
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+                           LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"
-        environment["RANK"] = environment["OMPI_COMM_WORLD_RANK"]
-        environment["LOCAL_RANK"] = environment["OMPI_COMM_WORLD_LOCAL_RANK"]
-        environment["WORLD_SIZE"] = environment["OMPI_COMM_WORLD_SIZE"]
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
         launcher = "python (a single process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -1018,8 +1014,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
     return train_state
 
 
-# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
-# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
+# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
