@@ -1,15 +1,10 @@
 """Chapter 01: train a Llama-style language model on one device.
 
-On a machine without a GPU this trains the tiny model bundled in data/ on the CPU:
-
-    python 01-single-gpu/train_llm.py
-
-On a GPU, with a real model and data set from the Hugging Face hub:
-
-    python 01-single-gpu/train_llm.py -m meta-llama/Llama-3.2-1B -d tatsu-lab/alpaca -e llama-1b
-
 Everything the later chapters build on is here: the data pipeline, the training step, timers and metrics,
 and checkpoints that resume exactly. Read main() top to bottom; the helpers follow it in the same order.
+
+    python 01-single-gpu/train_llm.py    # no GPU: the tiny model bundled in data/, on the CPU
+    python 01-single-gpu/train_llm.py -m meta-llama/Llama-3.2-1B -d tatsu-lab/alpaca -e llama-1b    # on a GPU
 """
 
 import argparse
@@ -99,10 +94,8 @@ def main():
 
     # 6. The training loop.
     model.train()
-    timer = StepTimer(device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True)
-    steps_this_run, tokens_since_log = 0, 0
-    time_of_last_log = time.perf_counter()
+    steps_this_run, tokens_since_log, time_of_last_log = 0, 0, time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     done = train_state["step"] >= max_steps
@@ -110,11 +103,11 @@ def main():
         dataloader = get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device)
         micro_batches = iter(dataloader)
         for _ in range(len(dataloader) // args.grad_accum):
-            timer.reset()
+            timer = StepTimer(device)
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
-                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                    input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
                     attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                 with timer("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                     # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
@@ -145,9 +138,8 @@ def main():
                 # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
                 # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
                 loss_value = step_loss.item()
-                seconds = time.perf_counter() - time_of_last_log
-                time_of_last_log = time.perf_counter()
-                tokens_per_second = tokens_since_log / seconds
+                tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
+                tokens_since_log, time_of_last_log = 0, time.perf_counter()
                 record = {
                     "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
@@ -155,7 +147,6 @@ def main():
                     **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
                 }
                 log_metrics(record, metrics_file)
-                tokens_since_log = 0
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
 
@@ -174,7 +165,6 @@ def main():
     LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # Arguments and logging
 
 
@@ -185,10 +175,8 @@ def get_parser():
     model_and_data.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                                 help="Hugging Face hub name or local folder with config.json and the tokenizer")
     model_and_data.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
-                                help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, "
-                                     ".parquet)")
-    model_and_data.add_argument("--dataset-subset", default=None,
-                                help="the data set's configuration name, if it has several")
+                                help="Hugging Face hub name, or local folder or file (.jsonl .json .csv .txt .parquet)")
+    model_and_data.add_argument("--dataset-subset", help="the data set's configuration name, if it has several")
     model_and_data.add_argument("--text-column", default="text", help="the data set's column that holds the text")
     model_and_data.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
     model_and_data.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -204,13 +192,10 @@ def get_parser():
     training.add_argument("--weight-decay", type=float, default=0.1)
     training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
     training.add_argument("--max-steps", type=int, default=200,
-                          help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
-                               "one would)")
-    training.add_argument("--num-epochs", type=int, default=None,
-                          help="train for this many passes over the data set instead of --max-steps")
-    training.add_argument("--exit-after-steps", type=int, default=None,
-                          help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time "
-                               "limit")
+                          help="total optimizer steps; a resumed run stops where an uninterrupted one would")
+    training.add_argument("--num-epochs", type=int, help="passes over the data set to train, instead of --max-steps")
+    training.add_argument("--exit-after-steps", type=int,
+                          help="checkpoint and exit after this many steps of this run, e.g. to fit a job's time limit")
     checkpoints = parser.add_argument_group("checkpoints and logging")
     checkpoints.add_argument("-e", "--experiment-name", default="quickstart",
                              help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
@@ -249,7 +234,6 @@ def setup_logging():
                         stream=sys.stdout)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 1. The model
 
 
@@ -265,18 +249,16 @@ def load_model_config(model_name):
 def get_attention_kwargs(attn_implementation, input_ids):
     """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
 
-    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
-    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
-    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
-    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
-    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids pack several
+    sequences into one row, reading position_ids on the host: a host-device sync in every layer of every forward and a
+    graph break in every compiled one. Given the boundaries (cu_seq_lens: every sequence is seq_length tokens) and the
+    longest length, it calls flash_attn_varlen_func directly: the same causal attention. SDPA and eager need nothing.
     """
     if attn_implementation != "flash_attention_2":
         return {}
     batch_size, seq_length = input_ids.shape
     boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
-    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
-            "max_length_k": seq_length}
+    return dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=seq_length, max_length_k=seq_length)
 
 
 @torch.no_grad()
@@ -284,9 +266,8 @@ def init_weights(model, seed):
     """Initialize every parameter from a generator seeded with the seed and the parameter's name.
 
     NOTE: each parameter's values depend only on (seed, name, device type), not on the order in which parameters
-    are created or on how the model is split. That is what lets every later chapter, however it splits the model
-    across GPUs, start from exactly the same weights as this one, and so reproduce this chapter's loss curve.
-    (CPU and CUDA generators draw different numbers: compare GPU runs with GPU runs.)
+    are created or on how the model is split: every later chapter, however it splits the model across GPUs, starts
+    from this one's weights and reproduces its loss curve. (CPU and CUDA generators differ: compare GPU with GPU.)
     """
     std = model.config.initializer_range
     for name, param in model.named_parameters():
@@ -298,7 +279,6 @@ def init_weights(model, seed):
         param.copy_(full_value)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 2. The data
 
 
@@ -362,23 +342,17 @@ def cut_into_chunks(token_lists, seq_length):
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device):
     """The batches of one epoch in a seeded random order, starting after the samples already trained on.
 
-    NOTE: the order is a permutation of the whole data set drawn from (seed, epoch), so it is the same in every run.
-    Resuming cuts it at the next unseen sample: nothing is re-read, and nothing is trained on twice.
+    NOTE: the order, drawn from (seed, epoch), is the same in every run; resuming cuts it at the next unseen sample.
     """
     generator = torch.Generator().manual_seed(args.seed + epoch)
     sample_order = torch.randperm(len(dataset), generator=generator).tolist()
     samples_per_step = args.batch_size * args.grad_accum
     num_samples = len(dataset) // samples_per_step * samples_per_step
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:num_samples])
-    return DataLoader(remaining, batch_size=args.batch_size, collate_fn=stack_input_ids, num_workers=args.num_workers,
+    return DataLoader(remaining, batch_size=args.batch_size, num_workers=args.num_workers,
                       pin_memory=device.type == "cuda")
 
 
-def stack_input_ids(samples):
-    return torch.stack([sample["input_ids"] for sample in samples])
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # 3. The optimizer and the learning rate schedule
 
 
@@ -390,7 +364,6 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 4. Checkpoints
 
 
@@ -415,8 +388,7 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
                temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
-    # which saves that tokenizer next to the weights.
+    # NOTE: where -m came from (a local folder made absolute): convert_to_hf.py saves its tokenizer with the weights.
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -436,9 +408,8 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     require(not different, f"the checkpoint {checkpoint_dir} was saved from a different model "
             f"({', '.join(different)}); use another --experiment-name or --save-dir, or the model it was trained with")
     # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
-    # Without map_location, torch.load puts every tensor back on the device it was saved from: for a checkpoint
-    # written by rank 0 of a GPU job, cuda:0, so all 8 processes of a node would load the whole model and optimizer
-    # state onto GPU 0. The weights and moments go to this process's device, the RNG states (CPU tensors) to the CPU.
+    # Without map_location, tensors go back to the device they were saved from: cuda:0 for rank 0 of a GPU job, so
+    # a node's 8 processes would all load onto GPU 0. Weights and moments go to this process's device, RNG to the CPU.
     model.load_state_dict(torch.load(checkpoint_dir / "model.pt", map_location=device, weights_only=True))
     optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True))
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
@@ -447,8 +418,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     return train_state
 
 
-# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
-# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
+# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -459,7 +429,6 @@ def set_rng_state(rng_state):
         torch.cuda.set_rng_state(rng_state["cuda"])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 5. Experiment tracking
 
 
@@ -484,14 +453,12 @@ def get_flops_per_token(model, config, seq_length):
     parameters that do matmuls, L layers, H heads, Q the head dimension and T the sequence length.
     """
     num_params = sum(p.numel() for p in model.parameters())
-    # NOTE: the input embedding is a table lookup, not a matmul: its weights do no FLOPs. Unless they are tied to
-    # the output head (Llama 3.2 1B and 3B), in which case they are counted once, for the head's matmul.
+    # NOTE: the input embedding is a lookup, not a matmul: no FLOPs, unless tied to the output head (Llama 3.2 1B, 3B).
     if not config.tie_word_embeddings:
         num_params -= model.get_input_embeddings().weight.numel()
-    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
     # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
 # Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
@@ -525,10 +492,9 @@ def log_metrics(record, metrics_file):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key.removesuffix('_gb')} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
     times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
-    LOGGER.info(
-        f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}"
-        f" | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory} | ms: {times}"
-    )
+    LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
+                f" | ms: {times}")
     wandb.log(record, step=record["step"])
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
@@ -537,16 +503,12 @@ def log_metrics(record, metrics_file):
 class StepTimer:
     """Time the phases of a training step (data, forward, backward, update) without stalling the GPU.
 
-    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a forward pass on a GPU measures only how long
-    the CPU took to queue its kernels. CUDA events are recorded into the GPU's stream instead and read once, on
-    logging steps, after a single synchronization. On the CPU, work is synchronous and the wall clock is right.
+    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a GPU forward measures only the CPU queueing its
+    kernels. CUDA events go into the GPU's stream instead, read once per logging step, after a single synchronization.
     """
 
     def __init__(self, device):
         self.use_cuda_events = device.type == "cuda"
-        self.spans = []
-
-    def reset(self):
         self.spans = []
 
     @contextlib.contextmanager

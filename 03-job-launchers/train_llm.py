@@ -133,11 +133,9 @@ def main():
 
     # 6. The training loop.
     model.train()
-    timer = StepTimer(device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
-    steps_this_run, tokens_since_log = 0, 0
-    time_of_last_log = time.perf_counter()
+    steps_this_run, tokens_since_log, time_of_last_log = 0, 0, time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     done = train_state["step"] >= max_steps
@@ -146,11 +144,11 @@ def main():
                                     rank, world_size)
         micro_batches = iter(dataloader)
         for _ in range(len(dataloader) // args.grad_accum):
-            timer.reset()
+            timer = StepTimer(device)
             step_loss = torch.zeros((), device=device)
             for micro_step in range(args.grad_accum):
                 with timer("data"):
-                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                    input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
                     attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                 # NOTE: gradients only need averaging across ranks once per optimizer step. no_sync() skips the
                 # all-reduce in the backward passes of the other micro-batches; the last one reduces the sum.
@@ -189,9 +187,8 @@ def main():
                 # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
                 # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
                 loss_value = step_loss.item()
-                seconds = time.perf_counter() - time_of_last_log
-                time_of_last_log = time.perf_counter()
-                tokens_per_second = tokens_since_log / seconds
+                tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
+                tokens_since_log, time_of_last_log = 0, time.perf_counter()
                 record = {
                     "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
@@ -200,7 +197,6 @@ def main():
                 }
                 if rank == 0:
                     log_metrics(record, metrics_file)
-                tokens_since_log = 0
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
 
@@ -221,7 +217,6 @@ def main():
     dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # Arguments and logging
 
 
@@ -232,10 +227,8 @@ def get_parser():
     model_and_data.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                                 help="Hugging Face hub name or local folder with config.json and the tokenizer")
     model_and_data.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
-                                help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, "
-                                     ".parquet)")
-    model_and_data.add_argument("--dataset-subset", default=None,
-                                help="the data set's configuration name, if it has several")
+                                help="Hugging Face hub name, or local folder or file (.jsonl .json .csv .txt .parquet)")
+    model_and_data.add_argument("--dataset-subset", help="the data set's configuration name, if it has several")
     model_and_data.add_argument("--text-column", default="text", help="the data set's column that holds the text")
     model_and_data.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
     model_and_data.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -251,13 +244,10 @@ def get_parser():
     training.add_argument("--weight-decay", type=float, default=0.1)
     training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
     training.add_argument("--max-steps", type=int, default=200,
-                          help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
-                               "one would)")
-    training.add_argument("--num-epochs", type=int, default=None,
-                          help="train for this many passes over the data set instead of --max-steps")
-    training.add_argument("--exit-after-steps", type=int, default=None,
-                          help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time "
-                               "limit")
+                          help="total optimizer steps; a resumed run stops where an uninterrupted one would")
+    training.add_argument("--num-epochs", type=int, help="passes over the data set to train, instead of --max-steps")
+    training.add_argument("--exit-after-steps", type=int,
+                          help="checkpoint and exit after this many steps of this run, e.g. to fit a job's time limit")
     checkpoints = parser.add_argument_group("checkpoints and logging")
     checkpoints.add_argument("-e", "--experiment-name", default="quickstart",
                              help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
@@ -271,11 +261,9 @@ def get_parser():
     parallelism.add_argument("--zero1", action="store_true",
                              help="shard the optimizer state across ranks (ZeRO stage 1, ZeroRedundancyOptimizer)")
     parallelism.add_argument("--dist-timeout", type=int, default=600,
-                             help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
-                                  "the process group's timeout, the same for every backend")
+                             help="seconds a collective waits for the other ranks before the job fails, any backend")
     parallelism.add_argument("--rdzv-timeout", type=int, default=300,
-                             help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
-                                  "by srun or mpirun, before giving up")
+                             help="seconds to wait for the rendezvous at MASTER_ADDR:MASTER_PORT under srun or mpirun")
     return parser
 
 
@@ -303,24 +291,21 @@ def require(condition, message):
 def get_distributed_environment(rdzv_timeout):
     """Who started this process, and its rank, local rank and world size.
 
-    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every
-    process directly and set variables of their own, which are translated here; their job scripts export
-    MASTER_ADDR and MASTER_PORT. A plain `python train_llm.py` is a world of one process.
-    init_process_group() then reads the standard variables, whoever set them.
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every process
+    directly and set variables of their own, translated here; their job scripts export MASTER_ADDR and MASTER_PORT. A
+    plain `python train_llm.py` is a world of one process. init_process_group() reads the standard variables.
     """
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
     elif "SLURM_PROCID" in environment:
         launcher = "srun"
-        environment["RANK"] = environment["SLURM_PROCID"]
-        environment["LOCAL_RANK"] = environment["SLURM_LOCALID"]
-        environment["WORLD_SIZE"] = environment["SLURM_NTASKS"]
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+                           LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"
-        environment["RANK"] = environment["OMPI_COMM_WORLD_RANK"]
-        environment["LOCAL_RANK"] = environment["OMPI_COMM_WORLD_LOCAL_RANK"]
-        environment["WORLD_SIZE"] = environment["OMPI_COMM_WORLD_SIZE"]
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
         launcher = "python (a single process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -384,10 +369,9 @@ def rank_zero_first():
     """Run the block on rank 0 first, then on the others.
 
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
-    everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
-    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
-    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
-    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
+    everything there, instead of 64 processes downloading and tokenizing the same at once. They wait in a barrier of a
+    gloo group of their own, whose timeout is a day: rank 0's work can outlast the process group's --dist-timeout, which
+    would end the job at a barrier of the default group. If rank 0 fails, its connections close and the others fail too.
     """
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     if dist.get_rank() != 0:
@@ -398,7 +382,6 @@ def rank_zero_first():
     dist.destroy_process_group(waiting_group)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 1. The model
 
 
@@ -414,18 +397,16 @@ def load_model_config(model_name):
 def get_attention_kwargs(attn_implementation, input_ids):
     """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
 
-    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
-    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
-    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
-    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
-    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids pack several
+    sequences into one row, reading position_ids on the host: a host-device sync in every layer of every forward and a
+    graph break in every compiled one. Given the boundaries (cu_seq_lens: every sequence is seq_length tokens) and the
+    longest length, it calls flash_attn_varlen_func directly: the same causal attention. SDPA and eager need nothing.
     """
     if attn_implementation != "flash_attention_2":
         return {}
     batch_size, seq_length = input_ids.shape
     boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
-    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
-            "max_length_k": seq_length}
+    return dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=seq_length, max_length_k=seq_length)
 
 
 @torch.no_grad()
@@ -433,9 +414,8 @@ def init_weights(model, seed):
     """Initialize every parameter from a generator seeded with the seed and the parameter's name.
 
     NOTE: each parameter's values depend only on (seed, name, device type), not on the order in which parameters
-    are created or on how the model is split. That is what lets every later chapter, however it splits the model
-    across GPUs, start from exactly the same weights as this one, and so reproduce this chapter's loss curve.
-    (CPU and CUDA generators draw different numbers: compare GPU runs with GPU runs.)
+    are created or on how the model is split: every later chapter, however it splits the model across GPUs, starts
+    from this one's weights and reproduces its loss curve. (CPU and CUDA generators differ: compare GPU with GPU.)
     """
     std = model.config.initializer_range
     for name, param in model.named_parameters():
@@ -447,7 +427,6 @@ def init_weights(model, seed):
         param.copy_(full_value)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 2. The data
 
 
@@ -523,14 +502,9 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     samples_per_step = args.batch_size * args.grad_accum
     num_steps = len(sampler) // samples_per_step
     return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
-                      collate_fn=stack_input_ids, num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
-def stack_input_ids(samples):
-    return torch.stack([sample["input_ids"] for sample in samples])
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # 3. The optimizer and the learning rate schedule
 
 
@@ -542,7 +516,6 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 4. Checkpoints
 
 
@@ -593,8 +566,7 @@ def write_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state
     torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
                temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
-    # which saves that tokenizer next to the weights.
+    # NOTE: where -m came from (a local folder made absolute): convert_to_hf.py saves its tokenizer with the weights.
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -614,9 +586,8 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     require(not different, f"the checkpoint {checkpoint_dir} was saved from a different model "
             f"({', '.join(different)}); use another --experiment-name or --save-dir, or the model it was trained with")
     # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
-    # Without map_location, torch.load puts every tensor back on the device it was saved from: for a checkpoint
-    # written by rank 0 of a GPU job, cuda:0, so all 8 processes of a node would load the whole model and optimizer
-    # state onto GPU 0. The weights and moments go to this process's device, the RNG states (CPU tensors) to the CPU.
+    # Without map_location, tensors go back to the device they were saved from: cuda:0 for rank 0 of a GPU job, so
+    # a node's 8 processes would all load onto GPU 0. Weights and moments go to this process's device, RNG to the CPU.
     model.load_state_dict(torch.load(checkpoint_dir / "model.pt", map_location=device, weights_only=True))
     optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True))
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
@@ -625,8 +596,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     return train_state
 
 
-# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
-# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
+# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -637,7 +607,6 @@ def set_rng_state(rng_state):
         torch.cuda.set_rng_state(rng_state["cuda"])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 5. Experiment tracking
 
 
@@ -662,14 +631,12 @@ def get_flops_per_token(model, config, seq_length):
     parameters that do matmuls, L layers, H heads, Q the head dimension and T the sequence length.
     """
     num_params = sum(p.numel() for p in model.parameters())
-    # NOTE: the input embedding is a table lookup, not a matmul: its weights do no FLOPs. Unless they are tied to
-    # the output head (Llama 3.2 1B and 3B), in which case they are counted once, for the head's matmul.
+    # NOTE: the input embedding is a lookup, not a matmul: no FLOPs, unless tied to the output head (Llama 3.2 1B, 3B).
     if not config.tie_word_embeddings:
         num_params -= model.get_input_embeddings().weight.numel()
-    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
     # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
 # Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
@@ -703,10 +670,9 @@ def log_metrics(record, metrics_file):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key.removesuffix('_gb')} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
     times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
-    LOGGER.info(
-        f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}"
-        f" | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory} | ms: {times}"
-    )
+    LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
+                f" | ms: {times}")
     wandb.log(record, step=record["step"])
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
@@ -715,16 +681,12 @@ def log_metrics(record, metrics_file):
 class StepTimer:
     """Time the phases of a training step (data, forward, backward, update) without stalling the GPU.
 
-    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a forward pass on a GPU measures only how long
-    the CPU took to queue its kernels. CUDA events are recorded into the GPU's stream instead and read once, on
-    logging steps, after a single synchronization. On the CPU, work is synchronous and the wall clock is right.
+    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a GPU forward measures only the CPU queueing its
+    kernels. CUDA events go into the GPU's stream instead, read once per logging step, after a single synchronization.
     """
 
     def __init__(self, device):
         self.use_cuda_events = device.type == "cuda"
-        self.spans = []
-
-    def reset(self):
         self.spans = []
 
     @contextlib.contextmanager

@@ -156,8 +156,7 @@ def main():
 
     # 6. The training loop, one pipeline schedule per micro-step.
     model.train()
-    timer = StepTimer(device)
-    recorder = PipelineRecorder(timer)
+    recorder = PipelineRecorder()
     # NOTE: the loss of each micro-batch is its mean over its tokens, divided by the number of micro-batches of the
     # step: their sum is the mean over the whole batch, chapter 01's loss. scale_grads=False in the schedule then,
     # or it would divide the gradients by the number of micro-batches a second time.
@@ -166,8 +165,7 @@ def main():
         stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device, recorder)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
-    steps_this_run, tokens_since_log = 0, 0
-    time_of_last_log = time.perf_counter()
+    steps_this_run, tokens_since_log, time_of_last_log = 0, 0, time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     done = train_state["step"] >= max_steps
@@ -176,12 +174,12 @@ def main():
                                     dp_rank, dp_size)
         micro_batches = iter(dataloader)
         for _ in range(len(dataloader) // args.grad_accum):
-            timer.reset()
-            recorder.reset()
+            timer = StepTimer(device)
+            recorder.start_step(timer)
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
-                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                    input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
                 # NOTE: one call runs the whole schedule: it cuts the batch into micro-batches, runs this rank's
                 # stages' forwards and backwards in the schedule's order, receives and sends the activations and
                 # their gradients, and reduce-scatters the gradients (FSDP) after the last backward. The first stage
@@ -191,8 +189,7 @@ def main():
                     schedule.step(*([input_ids] if has_first_stage else []),
                                   target=input_ids if has_last_stage else None, losses=losses, return_outputs=False)
                 # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
-                # the GPU to finish every step; we read the value only on logging steps. Only the last stage has
-                # a loss; the others add nothing.
+                # the GPU to finish every step; we read the value only on logging steps.
                 if has_last_stage:
                     step_loss += torch.stack(losses).sum().detach()
             with timer("update"):
@@ -220,9 +217,8 @@ def main():
                 # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
                 # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
                 loss_value = step_loss.item()
-                seconds = time.perf_counter() - time_of_last_log
-                time_of_last_log = time.perf_counter()
-                tokens_per_second = tokens_since_log / seconds
+                tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
+                tokens_since_log, time_of_last_log = 0, time.perf_counter()
                 times = timer.read_ms()
                 # NOTE: the forward (with the loss) and backward spans lie inside the pipeline span: the rest of it,
                 # this rank waited for its neighbours (the bubble) or for the point-to-point transfers.
@@ -238,7 +234,6 @@ def main():
                     record["pipeline_idle_fraction"] = log_pipeline_stats(step, args, num_microbatches, pipeline_stats,
                                                                           pipeline_file)
                     log_metrics(record, metrics_file)
-                tokens_since_log = 0
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
 
@@ -260,7 +255,6 @@ def main():
     dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # Arguments and logging
 
 
@@ -271,10 +265,8 @@ def get_parser():
     model_and_data.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                                 help="Hugging Face hub name or local folder with config.json and the tokenizer")
     model_and_data.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
-                                help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, "
-                                     ".parquet)")
-    model_and_data.add_argument("--dataset-subset", default=None,
-                                help="the data set's configuration name, if it has several")
+                                help="Hugging Face hub name, or local folder or file (.jsonl .json .csv .txt .parquet)")
+    model_and_data.add_argument("--dataset-subset", help="the data set's configuration name, if it has several")
     model_and_data.add_argument("--text-column", default="text", help="the data set's column that holds the text")
     model_and_data.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
     model_and_data.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -291,13 +283,10 @@ def get_parser():
     training.add_argument("--weight-decay", type=float, default=0.1)
     training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
     training.add_argument("--max-steps", type=int, default=200,
-                          help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
-                               "one would)")
-    training.add_argument("--num-epochs", type=int, default=None,
-                          help="train for this many passes over the data set instead of --max-steps")
-    training.add_argument("--exit-after-steps", type=int, default=None,
-                          help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time "
-                               "limit")
+                          help="total optimizer steps; a resumed run stops where an uninterrupted one would")
+    training.add_argument("--num-epochs", type=int, help="passes over the data set to train, instead of --max-steps")
+    training.add_argument("--exit-after-steps", type=int,
+                          help="checkpoint and exit after this many steps of this run, e.g. to fit a job's time limit")
     checkpoints = parser.add_argument_group("checkpoints and logging")
     checkpoints.add_argument("-e", "--experiment-name", default="quickstart",
                              help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
@@ -309,21 +298,17 @@ def get_parser():
     checkpoints.add_argument("--wandb-project", default="distributed-training-guide")
     parallelism = parser.add_argument_group("parallelism")
     parallelism.add_argument("--pp", type=int, default=1,
-                             help="pipeline-parallel degree: the ranks of each pipeline; the world size / pp pipelines "
-                                  "train as FSDP data parallel")
+                             help="pipeline-parallel degree; the world size / pp pipelines train FSDP data parallel")
     parallelism.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b",
                              help="the order in which each stage runs the micro-batches' forwards and backwards")
     parallelism.add_argument("--pp-microbatches", type=int, default=None,
-                             help="micro-batches each --batch-size is cut into (default: --batch-size, micro-batches "
-                                  "of one sequence)")
+                             help="micro-batches per --batch-size (default: --batch-size, one sequence each)")
     parallelism.add_argument("--pp-stages-per-rank", type=int, default=None,
                              help="stages of the model on each rank (default: 1; 2 for interleaved-1f1b)")
     parallelism.add_argument("--dist-timeout", type=int, default=600,
-                             help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
-                                  "the process group's timeout, the same for every backend")
+                             help="seconds a collective waits for the other ranks before the job fails, any backend")
     parallelism.add_argument("--rdzv-timeout", type=int, default=300,
-                             help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
-                                  "by srun or mpirun, before giving up")
+                             help="seconds to wait for the rendezvous at MASTER_ADDR:MASTER_PORT under srun or mpirun")
     return parser
 
 
@@ -351,24 +336,21 @@ def require(condition, message):
 def get_distributed_environment(rdzv_timeout):
     """Who started this process, and its rank, local rank and world size.
 
-    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every
-    process directly and set variables of their own, which are translated here; their job scripts export
-    MASTER_ADDR and MASTER_PORT. A plain `python train_llm.py` is a world of one process.
-    init_process_group() then reads the standard variables, whoever set them.
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every process
+    directly and set variables of their own, translated here; their job scripts export MASTER_ADDR and MASTER_PORT. A
+    plain `python train_llm.py` is a world of one process. init_process_group() reads the standard variables.
     """
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
     elif "SLURM_PROCID" in environment:
         launcher = "srun"
-        environment["RANK"] = environment["SLURM_PROCID"]
-        environment["LOCAL_RANK"] = environment["SLURM_LOCALID"]
-        environment["WORLD_SIZE"] = environment["SLURM_NTASKS"]
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+                           LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"
-        environment["RANK"] = environment["OMPI_COMM_WORLD_RANK"]
-        environment["LOCAL_RANK"] = environment["OMPI_COMM_WORLD_LOCAL_RANK"]
-        environment["WORLD_SIZE"] = environment["OMPI_COMM_WORLD_SIZE"]
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
         launcher = "python (a single process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -432,10 +414,9 @@ def rank_zero_first():
     """Run the block on rank 0 first, then on the others.
 
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
-    everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
-    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
-    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
-    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
+    everything there, instead of 64 processes downloading and tokenizing the same at once. They wait in a barrier of a
+    gloo group of their own, whose timeout is a day: rank 0's work can outlast the process group's --dist-timeout, which
+    would end the job at a barrier of the default group. If rank 0 fails, its connections close and the others fail too.
     """
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     if dist.get_rank() != 0:
@@ -446,7 +427,6 @@ def rank_zero_first():
     dist.destroy_process_group(waiting_group)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 1. The model
 
 
@@ -462,18 +442,16 @@ def load_model_config(model_name):
 def get_attention_kwargs(attn_implementation, input_ids):
     """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
 
-    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
-    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
-    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
-    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
-    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids pack several
+    sequences into one row, reading position_ids on the host: a host-device sync in every layer of every forward and a
+    graph break in every compiled one. Given the boundaries (cu_seq_lens: every sequence is seq_length tokens) and the
+    longest length, it calls flash_attn_varlen_func directly: the same causal attention. SDPA and eager need nothing.
     """
     if attn_implementation != "flash_attention_2":
         return {}
     batch_size, seq_length = input_ids.shape
     boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
-    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
-            "max_length_k": seq_length}
+    return dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=seq_length, max_length_k=seq_length)
 
 
 # --pp-schedule: torch.distributed.pipelining's schedule of each name (get_schedule_class() knows them by these).
@@ -517,12 +495,11 @@ def check_pipeline_layout(args, world_size, config):
 def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
     """Cut the model into pp_degree x stages_per_rank stages of consecutive decoder layers; keep this rank's only.
 
-    The first stage also runs the embeddings, the last the final norm and the output head. Stage s runs on pp rank
-    s % pp_degree: with several stages per rank, rank r runs stages r, r + pp_degree, ... (the order the interleaved
-    schedule expects). The model is left holding only what this rank's stages run, under the whole model's names:
-    the layers stay in a ModuleDict keyed by their index in the whole model (model.layers.5.mlp.up_proj.weight on
-    whichever stage holds layer 5), and the modules of other ranks' stages are set to None, as torchtitan does.
-    Those names are what init_weights() seeds by and what the checkpoints are keyed by.
+    The first stage also runs the embeddings, the last the final norm and the output head. Stage s runs on pp rank s %
+    pp_degree: rank r runs stages r, r + pp_degree, ... (the order the interleaved schedule expects). The model keeps
+    only what this rank's stages run, under the whole model's names: the layers stay in a ModuleDict keyed by their
+    index in the whole model (model.layers.5.mlp.up_proj.weight on whichever stage holds layer 5), and other ranks'
+    modules are set to None, as torchtitan does. init_weights() and the checkpoints go by those names.
     """
     num_stages = pp_degree * stages_per_rank
     num_layers = model.config.num_hidden_layers
@@ -530,10 +507,8 @@ def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
     first_layers = [stage * (num_layers // num_stages) + min(stage, num_layers % num_stages)
                     for stage in range(num_stages + 1)]
     stage_indices = [pp_rank + pp_degree * local_index for local_index in range(stages_per_rank)]
-    model.model.layers = torch.nn.ModuleDict({
-        str(index): model.model.layers[index]
-        for stage in stage_indices for index in range(first_layers[stage], first_layers[stage + 1])
-    })
+    model.model.layers = torch.nn.ModuleDict({str(index): model.model.layers[index] for stage in stage_indices
+                                              for index in range(first_layers[stage], first_layers[stage + 1])})
     if 0 not in stage_indices:
         model.model.embed_tokens = None
     if num_stages - 1 not in stage_indices:
@@ -547,9 +522,8 @@ class DecoderStage(torch.nn.Module):
     """One pipeline stage of a Llama-family model: the embeddings (first stage only), a run of decoder layers, then
     the final norm and the output head (last stage only).
 
-    Its forward takes what the previous stage sends, or the token ids on the first stage, and returns what the next
-    stage receives: the hidden states, or on the last stage the logits. The modules are the model's own (no copies),
-    so the model's parameter names still reach them.
+    Its forward takes the previous stage's hidden states (the token ids on the first stage) and returns the next
+    stage's (the logits on the last). The modules are the model's own, no copies: its parameter names reach them.
     """
 
     def __init__(self, model, stage_index, num_stages, layer_indices):
@@ -601,9 +575,8 @@ def shard_model(stage, dp_mesh, dtype, pp_degree):
         # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
         # again for its backward: memory of one layer instead of all, for one more all-gather. The last layer
         # is the first to run backward, right after forward, so freeing it would only gather it again at once.
-        # In a pipeline each layer runs a forward for every micro-batch, and its backwards come later: resharding
-        # would all-gather it again for every micro-batch, twice. With pp > 1 the stage's layers stay gathered
-        # through the step (torchtitan's default too): the stage is 1/pp of the model, and that is the memory.
+        # In a pipeline a layer runs a forward for every micro-batch, its backwards later: resharding would gather it
+        # twice per micro-batch. With pp > 1 the stage's layers stay gathered (torchtitan's default): 1/pp of the model.
         fully_shard(layer, **fsdp_config, reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
     # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
     fully_shard(stage, **fsdp_config, reshard_after_forward=False)
@@ -614,9 +587,8 @@ def init_weights(model, seed):
     """Initialize every parameter from a generator seeded with the seed and the parameter's name.
 
     NOTE: each parameter's values depend only on (seed, name, device type), not on the order in which parameters
-    are created or on how the model is split. That is what lets every later chapter, however it splits the model
-    across GPUs, start from exactly the same weights as this one, and so reproduce this chapter's loss curve.
-    (CPU and CUDA generators draw different numbers: compare GPU runs with GPU runs.)
+    are created or on how the model is split: every later chapter, however it splits the model across GPUs, starts
+    from this one's weights and reproduces its loss curve. (CPU and CUDA generators differ: compare GPU with GPU.)
     """
     std = model.config.initializer_range
     for name, param in model.named_parameters():
@@ -625,9 +597,8 @@ def init_weights(model, seed):
             full_value = torch.ones(param.shape, device=param.device)
         else:
             full_value = torch.empty(param.shape, device=param.device).normal_(mean=0.0, std=std, generator=generator)
-        # NOTE: param is this rank's shard (a DTensor). distribute_tensor() cuts the same slice out of the full
-        # value, so the sharded model holds exactly the weights the unsharded one of chapter 01 holds.
-        # Every rank drew the same full value, so src_data_rank=None cuts it locally instead of sending it.
+        # NOTE: param is this rank's shard (a DTensor): distribute_tensor() cuts its slice out of the full value,
+        # chapter 01's weights exactly. Every rank drew the same value: src_data_rank=None cuts it locally.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
@@ -645,7 +616,6 @@ def reset_rotary_embeddings(model, device):
                 module.register_buffer(name, buffer.to(device), persistent=False)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 2. The data
 
 
@@ -721,14 +691,9 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     samples_per_step = args.batch_size * args.grad_accum
     num_steps = len(sampler) // samples_per_step
     return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
-                      collate_fn=stack_input_ids, num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
-def stack_input_ids(samples):
-    return torch.stack([sample["input_ids"] for sample in samples])
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # 3. The optimizer and the learning rate schedule
 
 
@@ -740,7 +705,6 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 4. Checkpoints
 
 
@@ -797,8 +761,7 @@ def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
     torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
                temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
-    # which saves that tokenizer next to the weights.
+    # NOTE: where -m came from (a local folder made absolute): convert_to_hf.py saves its tokenizer with the weights.
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -830,8 +793,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
     return train_state
 
 
-# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
-# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
+# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -842,7 +804,6 @@ def set_rng_state(rng_state):
         torch.cuda.set_rng_state(rng_state["cuda"])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 5. Experiment tracking
 
 
@@ -867,14 +828,12 @@ def get_flops_per_token(model, config, seq_length):
     parameters that do matmuls, L layers, H heads, Q the head dimension and T the sequence length.
     """
     num_params = sum(p.numel() for p in model.parameters())
-    # NOTE: the input embedding is a table lookup, not a matmul: its weights do no FLOPs. Unless they are tied to
-    # the output head (Llama 3.2 1B and 3B), in which case they are counted once, for the head's matmul.
+    # NOTE: the input embedding is a lookup, not a matmul: no FLOPs, unless tied to the output head (Llama 3.2 1B, 3B).
     if not config.tie_word_embeddings:
         num_params -= model.get_input_embeddings().weight.numel()
-    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
     # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
 # Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
@@ -922,10 +881,9 @@ def log_metrics(record, metrics_file):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key.removesuffix('_gb')} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
     times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
-    LOGGER.info(
-        f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}"
-        f" | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory} | ms: {times}"
-    )
+    LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
+                f" | ms: {times}")
     wandb.log(record, step=record["step"])
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
@@ -934,16 +892,12 @@ def log_metrics(record, metrics_file):
 class StepTimer:
     """Time the phases of a training step (data, forward, backward, update) without stalling the GPU.
 
-    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a forward pass on a GPU measures only how long
-    the CPU took to queue its kernels. CUDA events are recorded into the GPU's stream instead and read once, on
-    logging steps, after a single synchronization. On the CPU, work is synchronous and the wall clock is right.
+    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a GPU forward measures only the CPU queueing its
+    kernels. CUDA events go into the GPU's stream instead, read once per logging step, after a single synchronization.
     """
 
     def __init__(self, device):
         self.use_cuda_events = device.type == "cuda"
-        self.spans = []
-
-    def reset(self):
         self.spans = []
 
     @contextlib.contextmanager
@@ -970,7 +924,6 @@ class StepTimer:
         return totals
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 6. The training loop: the pipeline
 
 
@@ -1016,18 +969,15 @@ class PipelineRecorder:
     """What this rank's stages compute in a step: when each micro-batch's forward, loss and backward ran, and the
     activations each micro-batch keeps from its forward to its backward.
 
-    NOTE: the time a rank spends in the schedule outside these computations, it waits: for the previous stage's
-    activations, the next stage's gradients, or the transfers. That is the pipeline's bubble, measured. The
-    activations are the tensors autograd saves in a forward for the backward (saved-tensor hooks, as chapter 05
-    counts them), each storage once and the weights left out. A micro-batch holds them from its forward until its
-    backward is done, so how many a stage holds at once depends on the schedule: GPipe runs all forwards first.
+    NOTE: the time a rank spends in the schedule outside these computations, it waits (for a neighbour's activations or
+    gradients, or the transfers): the pipeline's bubble, measured. The activations are the tensors autograd saves for
+    the backward (saved-tensor hooks, as in chapter 05), each storage once, no weights. A micro-batch holds them from
+    its forward until its backward, so how many a stage holds depends on the schedule (GPipe runs all forwards first).
     """
 
-    def __init__(self, timer):
+    def start_step(self, timer):
+        """Forget the last step's records and record this one, timed by the step's own timer."""
         self.timer = timer
-        self.reset()
-
-    def reset(self):
         self.events = []
         self.saved_bytes = {}
         self.held_bytes = self.peak_bytes = self.peak_microbatches = 0
@@ -1076,10 +1026,9 @@ class PipelineRecorder:
 def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
     """Clip the gradients by the norm of the whole model's gradient, over all stages; return that norm.
 
-    NOTE: torch.nn.utils.clip_grad_norm_() sees the parameters it is given, this rank's stages only: each stage
-    would clip by the norm of its own layers, a different factor per stage, and train a model with different
-    gradients than chapter 01's, without any error. The squared norms of the stages add up to the squared norm of
-    the whole model (torchtitan's clip_grad_norm_ does the same).
+    NOTE: torch.nn.utils.clip_grad_norm_() sees only the parameters it is given, this rank's stages: each stage
+    would clip by its own layers' norm, a different factor per stage, and train on other gradients than chapter 01's
+    without any error. The stages' squared norms add up to the whole model's (as torchtitan's clip_grad_norm_ does).
     """
     parameters = list(parameters)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
@@ -1092,10 +1041,9 @@ def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
 
 
 def gather_pipeline_stats(recorder, timer, rank, pp_rank, dp_rank):
-    """Every rank's pipeline figures of this step, on rank 0 (None elsewhere). Call after timer.read_ms(), which
-    waits for the GPU, on logging steps only: it communicates.
+    """Every rank's pipeline figures of this step, on rank 0 (None elsewhere), in ms from its first schedule's start.
 
-    The times are in milliseconds from the start of this rank's first pipeline schedule of the step.
+    NOTE: call it after timer.read_ms(), which waits for the GPU, and on logging steps only: it communicates.
     """
     pipeline_spans = [(start, end) for name, start, end in timer.spans if name == "pipeline"]
     reference = pipeline_spans[0][0]
@@ -1105,17 +1053,10 @@ def gather_pipeline_stats(recorder, timer, rank, pp_rank, dp_rank):
 
     events = [(kind, stage, microbatch, milliseconds(start), milliseconds(end))
               for kind, stage, microbatch, start, end in recorder.events]
-    stats = {
-        "rank": rank,
-        "pp_rank": pp_rank,
-        "dp_rank": dp_rank,
-        "stages": sorted({stage for _, stage, *_ in events}),
-        "pipeline_ms": sum(milliseconds(end) - milliseconds(start) for start, end in pipeline_spans),
-        "busy_ms": sum(end - start for *_, start, end in events),
-        "peak_activations_mb": recorder.peak_bytes / 1e6,
-        "peak_microbatches": recorder.peak_microbatches,
-        "events": events,
-    }
+    stats = {"rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "stages": sorted({stage for _, stage, *_ in events}),
+             "pipeline_ms": sum(milliseconds(end) - milliseconds(start) for start, end in pipeline_spans),
+             "busy_ms": sum(end - start for *_, start, end in events), "peak_activations_mb": recorder.peak_bytes / 1e6,
+             "peak_microbatches": recorder.peak_microbatches, "events": events}
     all_stats = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(stats, all_stats, dst=0)
     return all_stats
@@ -1125,10 +1066,9 @@ def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
     """Log each stage's idle share of the step and its peak activations, write the step's timeline of every rank to
     pipeline.jsonl, and return the idle share averaged over the ranks of the first pipeline.
 
-    NOTE: a stage's own time in the schedule is not the pipeline's: the last stage leaves as soon as its last
-    backward is done, and waits for the first stage's last backward in the next collective (the gradient norm's).
-    The pipeline's step lasts as long as its longest rank's schedule, the first stage's; each stage is idle for
-    that time minus its own computations.
+    NOTE: a stage's own time in the schedule is not the pipeline's: the last stage leaves once its last backward is
+    done, and waits for the first stage's in the next collective (the gradient norm's). The pipeline's step lasts as
+    long as its longest rank's schedule, the first stage's; each stage is idle for that minus its own computations.
     """
     first_pipeline = [stats for stats in all_stats if stats["dp_rank"] == 0]
     pipeline_ms = max(stats["pipeline_ms"] for stats in first_pipeline)
@@ -1141,6 +1081,7 @@ def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
                                     "microbatches": num_microbatches, "ranks": all_stats}) + "\n")
     pipeline_file.flush()
     return sum(idle_fractions) / len(idle_fractions)
+
 
 if __name__ == "__main__":
     main()

@@ -107,8 +107,7 @@ def main():
     # shard, still on meta; to_empty() allocates only those shards on the device; init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
-    # NOTE: the dp and cp ranks all hold the same weights, so FSDP shards them over all of them: over the (dp, cp)
-    # mesh flattened into one dimension, as torchtitan does.
+    # NOTE: dp and cp ranks hold the same weights: FSDP shards them over the flattened (dp, cp) mesh, as in torchtitan.
     shard_model(model, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.cpu_offload)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
@@ -158,11 +157,9 @@ def main():
 
     # 6. The training loop.
     model.train()
-    timer = StepTimer(device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
-    steps_this_run, tokens_since_log = 0, 0
-    time_of_last_log = time.perf_counter()
+    steps_this_run, tokens_since_log, time_of_last_log = 0, 0, time.perf_counter()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     done = train_state["step"] >= max_steps
@@ -171,11 +168,11 @@ def main():
                                     dp_rank, dp_size)
         micro_batches = iter(dataloader)
         for _ in range(len(dataloader) // args.grad_accum):
-            timer.reset()
+            timer = StepTimer(device)
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
-                    input_ids = next(micro_batches).to(device, non_blocking=True)
+                    input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
                     attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
                     # NOTE: this rank's share of the sequences: its tokens, with their positions and labels cut
                     # from the whole sequences, and the count of all the tokens the micro-batch predicts.
@@ -185,9 +182,8 @@ def main():
                 # And no no_sync(): skipping the reduce-scatter would keep full, unsharded gradients in memory
                 # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
                 with timer("forward"):
-                    # NOTE: the labels come shifted (shift_labels; transformers computes a loss only when labels
-                    # is given as well), and the loss is this rank's tokens' summed loss over the count of all
-                    # predicted tokens (num_items_in_batch): this rank's share of the global micro-batch's mean.
+                    # NOTE: the labels come shifted (shift_labels, plus labels: without them, no loss). The loss is
+                    # this rank's summed loss over all predicted tokens (num_items_in_batch): its share of the mean.
                     # use_cache=False: no KV cache. Only generation needs one; in training it would keep every
                     # layer's keys and values alive (twice, for a layer that activation checkpointing recomputes).
                     loss = model(input_ids=input_ids, position_ids=position_ids, labels=shift_labels,
@@ -220,9 +216,8 @@ def main():
                 # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
                 # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
                 loss_value = step_loss.item()
-                seconds = time.perf_counter() - time_of_last_log
-                time_of_last_log = time.perf_counter()
-                tokens_per_second = tokens_since_log / seconds
+                tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
+                tokens_since_log, time_of_last_log = 0, time.perf_counter()
                 record = {
                     "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
@@ -231,7 +226,6 @@ def main():
                 }
                 if rank == 0:
                     log_metrics(record, metrics_file)
-                tokens_since_log = 0
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
 
@@ -252,7 +246,6 @@ def main():
     dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # Arguments and logging
 
 
@@ -263,10 +256,8 @@ def get_parser():
     model_and_data.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                                 help="Hugging Face hub name or local folder with config.json and the tokenizer")
     model_and_data.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
-                                help="Hugging Face hub name, or a local folder or file (.jsonl, .json, .csv, .txt, "
-                                     ".parquet)")
-    model_and_data.add_argument("--dataset-subset", default=None,
-                                help="the data set's configuration name, if it has several")
+                                help="Hugging Face hub name, or local folder or file (.jsonl .json .csv .txt .parquet)")
+    model_and_data.add_argument("--dataset-subset", help="the data set's configuration name, if it has several")
     model_and_data.add_argument("--text-column", default="text", help="the data set's column that holds the text")
     model_and_data.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
     model_and_data.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -282,13 +273,10 @@ def get_parser():
     training.add_argument("--weight-decay", type=float, default=0.1)
     training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
     training.add_argument("--max-steps", type=int, default=200,
-                          help="total optimizer steps of the experiment (a resumed run stops where an uninterrupted "
-                               "one would)")
-    training.add_argument("--num-epochs", type=int, default=None,
-                          help="train for this many passes over the data set instead of --max-steps")
-    training.add_argument("--exit-after-steps", type=int, default=None,
-                          help="save a checkpoint and exit after this many steps of this run, e.g. to fit a job time "
-                               "limit")
+                          help="total optimizer steps; a resumed run stops where an uninterrupted one would")
+    training.add_argument("--num-epochs", type=int, help="passes over the data set to train, instead of --max-steps")
+    training.add_argument("--exit-after-steps", type=int,
+                          help="checkpoint and exit after this many steps of this run, e.g. to fit a job's time limit")
     checkpoints = parser.add_argument_group("checkpoints and logging")
     checkpoints.add_argument("-e", "--experiment-name", default="quickstart",
                              help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
@@ -300,24 +288,18 @@ def get_parser():
     checkpoints.add_argument("--wandb-project", default="distributed-training-guide")
     parallelism = parser.add_argument_group("parallelism")
     parallelism.add_argument("--cpu-offload", action="store_true",
-                             help="keep parameters, gradients and optimizer state in CPU memory; the optimizer steps "
-                                  "on the CPU (CUDA only)")
+                             help="keep parameters, gradients and AdamW state in CPU memory and step there (CUDA only)")
     parallelism.add_argument("--cp", type=int, default=1,
-                             help="context-parallel degree: ranks that split each sequence between them (the GPUs of a "
-                                  "node, for long sequences); the others run data parallel")
+                             help="context-parallel degree: ranks per sequence; the others run data parallel")
     parallelism.add_argument("--cp-attention", choices=["ring", "all-to-all", "pytorch"], default="ring",
                              help="attention across the split: ring (key/value blocks passed around the cp ranks), "
-                                  "all-to-all (sequence shards to head shards and back), or pytorch (PyTorch's "
-                                  "context_parallel ring over fused kernels, CUDA only)")
+                                  "all-to-all (sequence to head shards and back), pytorch (PyTorch's own, CUDA only)")
     parallelism.add_argument("--cp-load-balance", choices=["on", "off"], default="on",
-                             help="give each cp rank one early and one late chunk of every sequence, so that causal "
-                                  "attention costs every rank the same; off: one contiguous chunk each")
+                             help="an early and a late chunk per cp rank (equal causal work); off: one chunk each")
     parallelism.add_argument("--dist-timeout", type=int, default=600,
-                             help="seconds a collective (or a barrier) waits for the other ranks before the job fails: "
-                                  "the process group's timeout, the same for every backend")
+                             help="seconds a collective waits for the other ranks before the job fails, any backend")
     parallelism.add_argument("--rdzv-timeout", type=int, default=300,
-                             help="seconds to wait for the rendezvous endpoint (MASTER_ADDR:MASTER_PORT) when started "
-                                  "by srun or mpirun, before giving up")
+                             help="seconds to wait for the rendezvous at MASTER_ADDR:MASTER_PORT under srun or mpirun")
     return parser
 
 
@@ -345,24 +327,21 @@ def require(condition, message):
 def get_distributed_environment(rdzv_timeout):
     """Who started this process, and its rank, local rank and world size.
 
-    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every
-    process directly and set variables of their own, which are translated here; their job scripts export
-    MASTER_ADDR and MASTER_PORT. A plain `python train_llm.py` is a world of one process.
-    init_process_group() then reads the standard variables, whoever set them.
+    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every process
+    directly and set variables of their own, translated here; their job scripts export MASTER_ADDR and MASTER_PORT. A
+    plain `python train_llm.py` is a world of one process. init_process_group() reads the standard variables.
     """
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
     elif "SLURM_PROCID" in environment:
         launcher = "srun"
-        environment["RANK"] = environment["SLURM_PROCID"]
-        environment["LOCAL_RANK"] = environment["SLURM_LOCALID"]
-        environment["WORLD_SIZE"] = environment["SLURM_NTASKS"]
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+                           LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"
-        environment["RANK"] = environment["OMPI_COMM_WORLD_RANK"]
-        environment["LOCAL_RANK"] = environment["OMPI_COMM_WORLD_LOCAL_RANK"]
-        environment["WORLD_SIZE"] = environment["OMPI_COMM_WORLD_SIZE"]
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
         launcher = "python (a single process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -426,10 +405,9 @@ def rank_zero_first():
     """Run the block on rank 0 first, then on the others.
 
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
-    everything there, instead of 64 processes downloading the same files and tokenizing the same data at once.
-    They wait in a barrier of a gloo group of their own, whose timeout is a day: rank 0's work can take far longer
-    than the process group's --dist-timeout, which would end the job at a barrier of the default group (NCCL's
-    watchdog, or gloo's timeout). If rank 0 fails instead, its connections close and the waiting ranks fail too.
+    everything there, instead of 64 processes downloading and tokenizing the same at once. They wait in a barrier of a
+    gloo group of their own, whose timeout is a day: rank 0's work can outlast the process group's --dist-timeout, which
+    would end the job at a barrier of the default group. If rank 0 fails, its connections close and the others fail too.
     """
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     if dist.get_rank() != 0:
@@ -440,7 +418,6 @@ def rank_zero_first():
     dist.destroy_process_group(waiting_group)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 1. The model
 
 
@@ -456,26 +433,23 @@ def load_model_config(model_name):
 def get_attention_kwargs(attn_implementation, input_ids):
     """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
 
-    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids hold several
-    sequences packed into one row, and the check reads position_ids on the host: a host-device sync in every layer
-    of every forward, and a graph break in every compiled layer. Given the sequence boundaries (cu_seq_lens: every
-    sequence is the batch's seq_length tokens) and the longest length, it skips the check and calls
-    flash_attn_varlen_func with them, which computes the same causal attention. SDPA and eager need nothing.
+    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids pack several
+    sequences into one row, reading position_ids on the host: a host-device sync in every layer of every forward and a
+    graph break in every compiled one. Given the boundaries (cu_seq_lens: every sequence is seq_length tokens) and the
+    longest length, it calls flash_attn_varlen_func directly: the same causal attention. SDPA and eager need nothing.
     """
     if attn_implementation != "flash_attention_2":
         return {}
     batch_size, seq_length = input_ids.shape
     boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
-    return {"cu_seq_lens_q": boundaries, "cu_seq_lens_k": boundaries, "max_length_q": seq_length,
-            "max_length_k": seq_length}
+    return dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=seq_length, max_length_k=seq_length)
 
 
 def get_device_mesh(device, world_size, cp_degree):
     """Lay the ranks out on a (dp, cp) grid: consecutive ranks (one node's GPUs) split the same sequences.
 
-    NOTE: the last dimension varies fastest: with 2 nodes of 4 GPUs and --cp 4, ranks 0-3 (node 0) are one cp
-    group, ranks 4-7 another, and ranks 0 and 4 share a dp group. Ring attention passes key/value blocks between
-    the ranks of a cp group in every layer: over NVLink inside a node, not over the network.
+    NOTE: the last dimension varies fastest: with 2 nodes of 4 GPUs and --cp 4, ranks 0-3 (node 0) form one cp group,
+    4-7 another, and ranks 0 and 4 a dp group: ring attention's traffic, in every layer, stays on NVLink inside a node.
     """
     require(cp_degree >= 1 and world_size % cp_degree == 0, f"--cp {cp_degree} does not divide the world size "
             f"{world_size}; use a divisor of {world_size}, usually the number of GPUs per node or fewer")
@@ -513,9 +487,9 @@ def check_context_parallel(args, config, device):
 def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
     """Register the attention across the split as a Hugging Face attention implementation; return its name.
 
-    NOTE: each attention module calls the function registered under the config's attn_implementation with the
-    queries, keys and values (positions already rotated in) of this rank's tokens. No mask function is registered
-    under the name, so transformers builds no mask: the token layout tells each form which keys a query may see.
+    NOTE: each attention module calls the function registered under the config's attn_implementation with the queries,
+    keys and values (positions rotated in) of this rank's tokens. No mask function is registered under the name, so
+    transformers builds none: the token layout tells each form which keys a query sees.
     """
     forms = {"ring": ring_attention, "all-to-all": all_to_all_attention, "pytorch": pytorch_ring_attention}
     name = f"context_parallel_{cp_attention.replace('-', '_')}"
@@ -536,8 +510,7 @@ def shard_model(model, mesh, dtype, cpu_offload):
     NOTE: each fully_shard() call makes one group whose parameters are all-gathered, and whose gradients are
     reduce-scattered, in one collective. One group per decoder layer means only one or two layers are ever whole
     in memory, and FSDP prefetches the next layer's all-gather while the current one computes.
-    Here the mesh holds every rank, dp and cp: FSDP cannot tell a cp rank (other tokens of the same sequences)
-    from a dp rank (other sequences); both computed gradients of the same weights from different tokens.
+    Here the mesh holds every rank, dp and cp: to FSDP a cp rank (other tokens) is a dp rank (other sequences).
     """
     # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
     # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
@@ -551,10 +524,9 @@ def shard_model(model, mesh, dtype, cpu_offload):
         fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
     # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
-    # NOTE: FSDP divides the summed gradients by its number of ranks, to average per-rank means. Each rank's loss
-    # here is already its share of the global mean (its tokens' summed loss over the count of all predicted
-    # tokens), so the gradients must be summed, not averaged: a divide factor of 1, with a plain SUM reduction
-    # (else FSDP asks for NCCL's premultiplied sum, which gloo does not have).
+    # NOTE: FSDP divides the summed gradients by its number of ranks, to average per-rank means. Each rank's loss here
+    # is already its share of the global mean, so the gradients must be summed, not averaged: a divide factor of 1, with
+    # a plain SUM reduction (else FSDP asks for NCCL's premultiplied sum, which gloo does not have).
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -566,9 +538,8 @@ def init_weights(model, seed):
     """Initialize every parameter from a generator seeded with the seed and the parameter's name.
 
     NOTE: each parameter's values depend only on (seed, name, device type), not on the order in which parameters
-    are created or on how the model is split. That is what lets every later chapter, however it splits the model
-    across GPUs, start from exactly the same weights as this one, and so reproduce this chapter's loss curve.
-    (CPU and CUDA generators draw different numbers: compare GPU runs with GPU runs.)
+    are created or on how the model is split: every later chapter, however it splits the model across GPUs, starts
+    from this one's weights and reproduces its loss curve. (CPU and CUDA generators differ: compare GPU with GPU.)
     """
     std = model.config.initializer_range
     for name, param in model.named_parameters():
@@ -577,9 +548,8 @@ def init_weights(model, seed):
             full_value = torch.ones(param.shape, device=param.device)
         else:
             full_value = torch.empty(param.shape, device=param.device).normal_(mean=0.0, std=std, generator=generator)
-        # NOTE: param is this rank's shard (a DTensor). distribute_tensor() cuts the same slice out of the full
-        # value, so the sharded model holds exactly the weights the unsharded one of chapter 01 holds.
-        # Every rank drew the same full value, so src_data_rank=None cuts it locally instead of sending it.
+        # NOTE: param is this rank's shard (a DTensor): distribute_tensor() cuts its slice out of the full value,
+        # chapter 01's weights exactly. Every rank drew the same value: src_data_rank=None cuts it locally.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
@@ -597,18 +567,16 @@ def reset_rotary_embeddings(model, device):
                 module.register_buffer(name, buffer.to(device), persistent=False)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 1b. Attention across the split: each rank holds some tokens of every sequence, and attention needs them all
 
 
 def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
     """The positions in the sequence of the tokens that rank cp_rank of a context-parallel group holds, in order.
 
-    NOTE: under the causal mask, token t attends to the t tokens before it. Cut into cp_size contiguous chunks, the
-    last rank's queries would see the whole sequence and the first rank's only their own chunk: the last rank does
-    2 x cp_size - 1 times the first one's work while the others wait for it. Load balancing cuts the sequence into
-    2 x cp_size chunks instead and gives rank i chunks i and 2 x cp_size - 1 - i, one early and one late: every
-    rank then does the same work.
+    NOTE: under the causal mask, token t attends to the t tokens before it. Cut into cp_size contiguous chunks, the last
+    rank's queries would see the whole sequence and the first rank's only their own chunk: the last rank does 2 x
+    cp_size - 1 times the first one's work while the others wait. Load balancing cuts the sequence into 2 x cp_size
+    chunks instead and gives rank i chunks i and 2 x cp_size - 1 - i, one early and one late: equal work.
     """
     if not load_balance:
         chunk = seq_length // cp_size
@@ -629,10 +597,9 @@ def ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence, whose keys and values go around the ring.
 
-    Forward: each of the cp_size steps computes this rank's queries against one rank's key/value block while the
-    block moves on to the next rank (send to rank + 1, receive from rank - 1), and folds the block's result into
-    the running one with its log-sum-exp (the online softmax of FlashAttention). Only this rank's queries, keys,
-    values, output and log-sum-exp are kept for backward: memory of this rank's tokens, never of the sequence.
+    Forward: each of the cp_size steps computes this rank's queries against one rank's key/value block while the block
+    moves on to rank + 1, folding the block's result into the running one by its log-sum-exp (the online softmax).
+    Backward keeps only this rank's queries, keys, values, output and log-sum-exp, never the whole sequence's.
 
     Backward: the key/value blocks go around once more, and with each travels the gradient of its keys and values,
     to which every rank adds its queries' part; after a full turn each block's gradient is back with its owner.
@@ -642,9 +609,8 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, scale, group, load_balance):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         batch, heads, tokens, head_dim = query.shape
-        # NOTE: the output is laid out in memory as (batch, tokens, heads, head_dim), the layout o_proj reads: the
-        # attention module's reshape is then a view, and o_proj keeps this very tensor for its backward, no copy.
-        # It is merged in fp32, whatever the model's dtype.
+        # NOTE: the output is laid out in memory as (batch, tokens, heads, head_dim), o_proj's layout: the attention
+        # module's reshape is then a view, and o_proj keeps this very tensor for its backward. Merged in fp32.
         output = torch.zeros(batch, tokens, heads, head_dim, dtype=torch.float32, device=query.device).transpose(1, 2)
         lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
         key_value = torch.stack([key, value])
@@ -730,11 +696,10 @@ def visible_block(rank, source, local_length, load_balance):
     """Which of this rank's queries see which keys of the source rank: (query rows, key columns, causal) or None.
 
     NOTE: the causal mask decides, per pair of ranks, between three cases, with no mask to build. Without load
-    balancing: a source rank before this one holds only earlier tokens (all visible), one after it only later
-    tokens (nothing to compute). With load balancing each rank holds an early chunk and a late chunk: a source rank
-    before this one has its early chunk before both of ours and its late chunk after both (our queries see its
-    early half); a source rank after this one has both chunks after our early chunk and before our late chunk
-    (only our late half sees them). Either way half a block: every rank does the same work at every step.
+    balancing: a source rank before this one holds earlier tokens only (all visible), one after it later ones (nothing
+    to compute). With load balancing each rank holds an early chunk and a late chunk: a source rank before this one has
+    its early chunk before both of ours and its late chunk after both (our queries see its early half); a source rank
+    after this one has both chunks between ours (only our late half sees them). Either way half a block: equal work.
     """
     everything = slice(None)
     if source == rank:
@@ -751,9 +716,8 @@ def visible_block(rank, source, local_length, load_balance):
 def attention_block(query, key, value, scale, causal):
     """softmax(query key^T x scale) value for one block of queries and keys, and each query's log-sum-exp.
 
-    NOTE: plain matrix products in fp32, so that the split is exact and runs on any device: the block's scores
-    (queries x keys of one rank) exist only inside this call and its backward's recomputation, never kept, and
-    are turned into probabilities in place: one block-sized tensor at a time.
+    NOTE: plain matrix products in fp32, exact and on any device. The block's scores (queries x keys of one rank) live
+    only in this call and its backward's recomputation, turned into probabilities in place: one block-sized tensor.
     """
     scores = block_scores(query, key, scale, causal)
     lse = scores.logsumexp(-1, keepdim=True)
@@ -785,8 +749,7 @@ def block_scores(query, key, scale, causal):
     batch, heads, num_queries, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     grouped_query = query.float().reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)
-    scores = grouped_query @ key.float().transpose(-1, -2)
-    scores.mul_(scale)
+    scores = (grouped_query @ key.float().transpose(-1, -2)).mul_(scale)
     if causal:
         future = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).triu(1)
         scores.masked_fill_(future.repeat(heads // kv_heads, 1), float("-inf"))
@@ -808,9 +771,8 @@ def merge_block(output, lse, block_output, block_lse):
 def all_to_all_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
     """All-to-all (DeepSpeed-Ulysses) attention, as a Hugging Face attention function.
 
-    NOTE: one all-to-all turns "this rank's tokens of every head" into "every token of this rank's heads"; attention
-    then is ordinary causal attention (SDPA, FlashAttention on GPUs) over the whole sequence, and a second
-    all-to-all turns the output back. It needs whole key/value heads on every rank: --cp must divide their number.
+    NOTE: one all-to-all turns "this rank's tokens of every head" into "every token of this rank's heads", for ordinary
+    causal attention (SDPA) over the whole sequence; a second turns it back. --cp must divide the kv heads.
     """
     group = cp_mesh.get_group()
     size = dist.get_world_size(group)
@@ -870,9 +832,8 @@ def pytorch_ring_attention(module, query, key, value, attention_mask, scaling, c
     """PyTorch's ring attention (CUDA only): SDPA on DTensors sharded along the sequence.
 
     NOTE: with the context-parallel dispatcher on (register_context_parallel_attention), SDPA on sequence-sharded
-    DTensors runs PyTorch's ring over the FlashAttention, memory-efficient or cuDNN kernel, forward and backward.
-    Its kernels want as many key/value heads as query heads, so they are repeated here (and passed around the ring
-    repeated: heads / kv_heads times the bytes of the ring form above).
+    DTensors runs PyTorch's ring over the FlashAttention, memory-efficient or cuDNN kernel, forward and backward. Its
+    kernels want as many key/value heads as query heads: they are repeated here, and passed around the ring so.
     """
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
@@ -882,7 +843,6 @@ def pytorch_ring_attention(module, query, key, value, attention_mask, scaling, c
     return output.to_local().transpose(1, 2), None
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 2. The data
 
 
@@ -958,14 +918,9 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     samples_per_step = args.batch_size * args.grad_accum
     num_steps = len(sampler) // samples_per_step
     return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
-                      collate_fn=stack_input_ids, num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
-def stack_input_ids(samples):
-    return torch.stack([sample["input_ids"] for sample in samples])
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # 3. The optimizer and the learning rate schedule
 
 
@@ -977,7 +932,6 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
     return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 4. Checkpoints
 
 
@@ -1028,8 +982,7 @@ def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
     torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
                temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where the config and the tokenizer came from (-m; a local folder made absolute), for convert_to_hf.py,
-    # which saves that tokenizer next to the weights.
+    # NOTE: where -m came from (a local folder made absolute): convert_to_hf.py saves its tokenizer with the weights.
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -1061,8 +1014,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
     return train_state
 
 
-# NOTE: the CUDA state of this process's GPU only (the current device), not of every GPU it sees: a run may resume
-# with fewer GPUs visible than it was saved with, and then there is no device to restore the others to.
+# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -1073,7 +1025,6 @@ def set_rng_state(rng_state):
         torch.cuda.set_rng_state(rng_state["cuda"])
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 5. Experiment tracking
 
 
@@ -1098,14 +1049,12 @@ def get_flops_per_token(model, config, seq_length):
     parameters that do matmuls, L layers, H heads, Q the head dimension and T the sequence length.
     """
     num_params = sum(p.numel() for p in model.parameters())
-    # NOTE: the input embedding is a table lookup, not a matmul: its weights do no FLOPs. Unless they are tied to
-    # the output head (Llama 3.2 1B and 3B), in which case they are counted once, for the head's matmul.
+    # NOTE: the input embedding is a lookup, not a matmul: no FLOPs, unless tied to the output head (Llama 3.2 1B, 3B).
     if not config.tie_word_embeddings:
         num_params -= model.get_input_embeddings().weight.numel()
-    num_layers, num_heads = config.num_hidden_layers, config.num_attention_heads
     # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    return 6 * num_params + 12 * num_layers * num_heads * head_dim * seq_length
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
 # Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
@@ -1153,10 +1102,9 @@ def log_metrics(record, metrics_file):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key.removesuffix('_gb')} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
     times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
-    LOGGER.info(
-        f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm {record['grad_norm']:.3f}"
-        f" | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory} | ms: {times}"
-    )
+    LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
+                f" | ms: {times}")
     wandb.log(record, step=record["step"])
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
@@ -1165,16 +1113,12 @@ def log_metrics(record, metrics_file):
 class StepTimer:
     """Time the phases of a training step (data, forward, backward, update) without stalling the GPU.
 
-    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a forward pass on a GPU measures only how long
-    the CPU took to queue its kernels. CUDA events are recorded into the GPU's stream instead and read once, on
-    logging steps, after a single synchronization. On the CPU, work is synchronous and the wall clock is right.
+    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a GPU forward measures only the CPU queueing its
+    kernels. CUDA events go into the GPU's stream instead, read once per logging step, after a single synchronization.
     """
 
     def __init__(self, device):
         self.use_cuda_events = device.type == "cuda"
-        self.spans = []
-
-    def reset(self):
         self.spans = []
 
     @contextlib.contextmanager
@@ -1202,18 +1146,15 @@ class StepTimer:
 
 
 
-# ---------------------------------------------------------------------------------------------------------------------
 # 6. The training step
 
 
 def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
-    """This rank's share of a micro-batch of whole sequences: (input_ids, position_ids, shift_labels,
-    num_items_in_batch).
+    """This rank's share of a micro-batch: (input_ids, position_ids, shift_labels, num_items_in_batch).
 
-    NOTE: the labels are shifted on the whole sequence, before the split: the label of a rank's last token is the
-    first token of the next chunk, which another rank holds; shifted after the split it would be lost, and the
-    last chunk's final token, which has nothing to predict, would get a label. The positions are cut from the whole
-    sequence as well: they tell the rotary embeddings where each token is.
+    NOTE: the labels are shifted on the whole sequence, before the split: the label of a rank's last token is the first
+    token of the next chunk, held by another rank; shifted after the split it would be lost, and the last chunk's final
+    token, which predicts nothing, would get one. The rotary embeddings' positions are cut from it too.
     """
     shift_labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
     # NOTE: the count of all predicted tokens in the global micro-batch (every dp rank's sequences, before the
@@ -1228,6 +1169,7 @@ def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
                                       input_ids.device)
     position_ids = token_indices.expand(input_ids.shape[0], -1)
     return input_ids[:, token_indices], position_ids, shift_labels[:, token_indices], num_items_in_batch
+
 
 if __name__ == "__main__":
     main()

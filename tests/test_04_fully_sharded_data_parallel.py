@@ -186,10 +186,11 @@ def test_the_data_position_carries_over_to_another_world_size():
     def global_batches(samples_seen, world_size, batch_size):
         loaders = [chapter_04.get_dataloader(dataset, args(batch_size), 0, samples_seen, cpu, rank, world_size)
                    for rank in range(world_size)]
-        return [sorted(torch.cat(batches).flatten().tolist()) for batches in zip(*loaders)]
+        return [sorted(torch.cat([batch["input_ids"] for batch in batches]).flatten().tolist())
+                for batches in zip(*loaders)]
 
     def chapter_01_batches(samples_seen, batch_size):
-        return [sorted(batch.flatten().tolist())
+        return [sorted(batch["input_ids"].flatten().tolist())
                 for batch in chapter_01.get_dataloader(dataset, args(batch_size), 0, samples_seen, cpu)]
 
     assert global_batches(0, 2, 2)[:4] == chapter_01_batches(0, 4)[:4]

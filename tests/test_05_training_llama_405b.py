@@ -77,7 +77,7 @@ from transformers import AutoModelForCausalLM
 
 args = chapter.get_parser().parse_args(sys.argv[2:])
 dataset = chapter.load_and_tokenize_dataset(args, chapter.load_tokenizer(args.model_name))
-batch = torch.cat([next(iter(chapter.get_dataloader(dataset, args, 0, 0, torch.device("cpu"), rank, 2)))
+batch = torch.cat([next(iter(chapter.get_dataloader(dataset, args, 0, 0, torch.device("cpu"), rank, 2)))["input_ids"]
                    for rank in range(2)])
 
 def loss_of(model):
