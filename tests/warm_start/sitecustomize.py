@@ -2,7 +2,7 @@
 
 Python imports this file at start-up when its folder is on PYTHONPATH (the tests' `env` fixture puts it there). If
 WARM_START_SOCKET names a running server, the command is `python [-u] script.py ...` or `python [-u] -m
-torch.distributed.run ...`, and every variable read at import time (PYTHON*, HF_*, TORCH*, OMP_*, WANDB_*, ...) is
+torch.distributed.run ...`, and every variable read at import time (PYTHON*, HF_*, TORCH*, OMP_*, ...) is
 the server's, this process becomes a stand-in: the server forks the command's process, this one relays signals to it
 and exits with its exit status (or dies of its signal). Otherwise Python runs the command here.
 
@@ -14,9 +14,10 @@ import os
 import sys
 
 IMPORT_TIME_PREFIXES = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "TORCH", "PYTORCH",
-                        "OMP_", "MKL_", "KMP_", "GOMP", "OPENBLAS", "LD_", "CUDA", "WANDB_", "TQDM", "MPL", "HOME",
-                        "XDG_", "TMPDIR", "LANG", "LC_")
-# NOTE: torchrun's per-worker variables are read when the script runs, not when torch is imported.
+                        "OMP_", "MKL_", "KMP_", "GOMP", "OPENBLAS", "LD_", "CUDA", "TQDM", "MPL", "HOME", "XDG_",
+                        "TMPDIR", "LANG", "LC_")
+# NOTE: torchrun's per-worker variables are read when the script runs, not when torch is imported; so are wandb's
+# (WANDB_MODE, WANDB_DIR, ...), which wandb.init() reads.
 RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 
 
