@@ -286,16 +286,21 @@ def test_a_warm_started_job_is_the_job_a_cold_start_runs(env, tmp_path):
 def test_a_warm_started_process_exits_and_dies_as_a_cold_one(env, tmp_path):
     if "WARM_START_SOCKET" not in env:
         pytest.skip("WARM_START=0: every process starts cold")
-    (tmp_path / "exits.py").write_text("import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)\n")
-    (tmp_path / "dies.py").write_text("import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n")
-    (tmp_path / "waits.py").write_text("import time; print('waiting', flush=True); time.sleep(60)\n")
+    # NOTE: each script notes that it ran in ran.txt: a command runs once, in the server's child, however it ends.
+    ran = "import os; open('ran.txt', 'a').write(os.path.basename(__file__) + '\\n'); "
+    (tmp_path / "exits.py").write_text(ran + "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)\n")
+    (tmp_path / "dies.py").write_text(ran + "import signal; os.kill(os.getpid(), signal.SIGKILL)\n")
+    (tmp_path / "waits.py").write_text(ran + "import time; print('waiting', flush=True); time.sleep(60)\n")
     exits = run([sys.executable, tmp_path / "exits.py"], env, tmp_path, check=False)
     assert (exits.returncode, exits.stdout, exits.stderr) == (3, "out\n", "err\n")
-    assert run([sys.executable, tmp_path / "dies.py"], env, tmp_path, check=False).returncode == -signal.SIGKILL
+    dies = run([sys.executable, tmp_path / "dies.py"], env, tmp_path, check=False)
+    assert (dies.returncode, dies.stderr) == (-signal.SIGKILL, "")
     waiting = subprocess.Popen([sys.executable, tmp_path / "waits.py"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                                text=True, start_new_session=True)
     assert waiting.stdout.readline() == "waiting\n"
     waiting.terminate()  # NOTE: relayed to the forked process, which dies of it, and so does its stand-in
     assert waiting.wait(timeout=30) == -signal.SIGTERM
     waiting.stdout.close()
-    assert sum("waits.py" in " ".join(argv) for argv in warm_served(env).values()) == 1
+    assert (tmp_path / "ran.txt").read_text() == "exits.py\ndies.py\nwaits.py\n"
+    served = [" ".join(argv) for argv in warm_served(env).values()]
+    assert [sum(name in argv for argv in served) for name in ["exits.py", "dies.py", "waits.py"]] == [1, 1, 1]

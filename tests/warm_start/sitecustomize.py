@@ -59,9 +59,21 @@ def run_warm(socket_path, request):
     import socket
 
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    connection.connect(socket_path)
+    try:
+        connection.connect(socket_path)
+    except OSError:
+        return  # NOTE: no server (the session is over): run here
     socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    # NOTE: from here on the command runs in the server's child: whatever happens, this process never runs it too.
+    try:
+        relay(connection, json, signal)
+    except BaseException as error:
+        print(f"warm start: lost the server's child ({error!r})", file=sys.stderr, flush=True)
+    os._exit(1)
 
+
+def relay(connection, json, signal):
+    """Relay this process's signals to the child, then end as it ended: its exit status, or its signal."""
     def forward(signal_number, _frame):
         connection.sendall(json.dumps({"signal": signal_number}).encode() + b"\n")
 
@@ -70,12 +82,9 @@ def run_warm(socket_path, request):
         signal.signal(signal_number, forward)
     received = b""
     while True:
-        try:
-            data = connection.recv(4096)
-        except InterruptedError:
-            continue
+        data = connection.recv(4096)
         if not data:  # NOTE: the server is gone: say so, as a killed process would
-            os._exit(1)
+            return
         received += data
         while b"\n" in received:
             line, received = received.split(b"\n", 1)
@@ -83,7 +92,8 @@ def run_warm(socket_path, request):
             if "exit" in message:
                 os._exit(message["exit"])
             if "signal" in message:
-                signal.signal(message["signal"], signal.SIG_DFL)
+                if message["signal"] not in (signal.SIGKILL, signal.SIGSTOP):  # NOTE: those cannot be handled
+                    signal.signal(message["signal"], signal.SIG_DFL)
                 os.kill(os.getpid(), message["signal"])
                 os._exit(128 + message["signal"])
 
