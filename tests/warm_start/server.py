@@ -7,6 +7,9 @@ interpreters; sitecustomize.py in this folder hands each one's command, environm
 streams to this server, which forks a child with the libraries already imported to run the command, and reports its
 exit status back. The script, its arguments, torchrun, gloo and every check are the real ones: only the imports are
 shared, and a command whose import-time settings differ from the server's runs the ordinary way (sitecustomize.py).
+What a fork does not give a process of its own: Python's string-hash seed (every child iterates a set of strings in
+the same order, where cold ranks could differ: chapter 03's restart test, diagnosing-errors and the equivalence
+test in test_repo.py start cold ranks) and a command line (ps shows the server's; diagnosing-errors starts cold).
 
 Protocol on the Unix socket, one JSON object per line: the client sends the request (argv, the script path or module,
 cwd, environment) together with its file descriptors 0, 1 and 2; the server answers {"pid": N}, relays any
