@@ -14,9 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_MODEL, SharedRuns, processes_with_marker
+from helpers import TINY_MODEL, BackgroundRun, SharedRuns, processes_with_marker, script
 
 WARM_START = Path(__file__).resolve().parent / "warm_start"
+QUICK_START_TEST = "test_quick_start_command_trains_and_the_loss_falls"
+QUICK_START_SELECTED = pytest.StashKey[bool]()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `last` run after all the others: the quick start's, whose run trains in the background meanwhile
+    (the quick_start fixture), which is started only when its test is selected."""
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+    config.stash[QUICK_START_SELECTED] = any(item.name == QUICK_START_TEST for item in items)
 
 
 @pytest.fixture(scope="session")
@@ -91,3 +100,24 @@ def runs(tmp_path_factory):
     """The runs several tests compare against, each made once per session when a test first asks for it: chapter
     01's reference runs, and a chapter's runs that several of its tests read (SharedRuns)."""
     return SharedRuns(tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quick_start(request, session_dir):
+    """Chapter 01's quick start: the README's command as written, run from a scratch folder (its outputs/ land there)
+    on every core, as a reader runs it (without the OMP_NUM_THREADS=1 of the suite's other processes).
+
+    It starts with the session, niced: it trains on the cores the other tests leave idle (a one-process test keeps
+    one of the two busy), and its test, which runs last, waits for it. Started only when that test is selected.
+    """
+    if not request.config.stash.get(QUICK_START_SELECTED, False):
+        yield None
+        return
+    folder = session_dir / "quick-start"
+    folder.mkdir()
+    environment = {name: value for name, value in session_environment(session_dir).items()
+                   if name != "OMP_NUM_THREADS"}
+    environment["TEST_PROCESS_MARKER"] = uuid.uuid4().hex
+    background = BackgroundRun([sys.executable, script("01")], environment, folder, nice=19)
+    yield background
+    background.stop()

@@ -53,6 +53,37 @@ def run(command, env, cwd, timeout=300, check=True):
     return result
 
 
+class BackgroundRun:
+    """A command started now, in a process session of its own (niced by `nice`), whose result wait() returns later,
+    like run()'s. Its output goes to temporary files: nobody reads a pipe while it runs."""
+
+    def __init__(self, command, env, cwd, nice=0):
+        import tempfile
+
+        self.command, self.env, self.cwd = [str(part) for part in command], env, Path(cwd)
+        self.stdout, self.stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(self.command, cwd=cwd, env=env, stdout=self.stdout, stderr=self.stderr,
+                                        text=True, start_new_session=True, preexec_fn=lambda: os.nice(nice))
+
+    def wait(self, timeout):
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"timed out after {timeout}s: {self.command}\n{self.output()[1][-3000:]}")
+        stdout, stderr = self.output()
+        return subprocess.CompletedProcess(self.command, self.process.returncode, stdout, stderr)
+
+    def output(self):
+        self.stdout.seek(0)
+        self.stderr.seek(0)
+        return self.stdout.read(), self.stderr.read()
+
+    def stop(self):
+        stop_everything(self.process, self.env)
+        self.process.wait()
+
+
 def stop_everything(process, env):
     """SIGTERM first (torchrun then stops its workers), then SIGKILL the session and every process with the marker.
 

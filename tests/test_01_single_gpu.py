@@ -3,23 +3,21 @@ and bad input gets a one-line error."""
 
 import json
 import shutil
-import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from helpers import (TINY_MODEL, error_line, load_script, max_difference, read_losses, run, script, train,
-                     with_faults)
+from helpers import TINY_MODEL, error_line, load_script, max_difference, read_losses, train, with_faults
 
 
 
-def test_quick_start_command_trains_and_the_loss_falls(env, tmp_path):
-    # The README's command exactly as written, run from a scratch folder so its outputs/ land there.
-    # NOTE: and as a reader runs it, on every core: without the OMP_NUM_THREADS=1 the suite's other processes get.
-    reader_env = {name: value for name, value in env.items() if name != "OMP_NUM_THREADS"}
-    result = run([sys.executable, script("01")], reader_env, tmp_path, timeout=900)
-    losses = read_losses(tmp_path / "outputs" / "quickstart")
+@pytest.mark.last
+def test_quick_start_command_trains_and_the_loss_falls(quick_start):
+    # The README's command exactly as written, started with the session (conftest.py's quick_start fixture).
+    result = quick_start.wait(timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = read_losses(quick_start.cwd / "outputs" / "quickstart")
     print(f"quick start: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses) * 10} steps")
     assert losses[-1] < losses[0] - 2.0
     assert "tokens/s" in result.stdout and "MFU n/a" in result.stdout

@@ -6,7 +6,7 @@ that names it, in bounded time, instead of hanging.
 
 The Slurm and MPI tests need a cluster. `eval "$(.ci/launchers.sh up /tmp/slurm-state)"` starts a two-node one on
 this machine (root, Debian); without one they are skipped, or fail when the variable CI is set. Network tests only
-ever use 127.0.0.1. `pytest -s` prints the figures.
+ever use 127.0.0.1. `pytest -s` prints the figures. Every process starts cold (the env fixture below).
 """
 
 import os
@@ -44,6 +44,14 @@ def unavailable(reason):
     if os.environ.get("CI"):
         pytest.fail(f"{reason} (CI is set: failing instead of skipping); {START_THE_CLUSTER}")
     pytest.skip(f"{reason}; {START_THE_CLUSTER}")
+
+
+@pytest.fixture
+def env(env):
+    """The conftest environment, but every process starts cold: the launchers place the processes they start (srun
+    its CPU binding and cgroup, mpirun its core binding), which a process forked by the suite's warm start would not
+    inherit."""
+    return {name: value for name, value in env.items() if name != "WARM_START_SOCKET"}
 
 
 @pytest.fixture(scope="module")
