@@ -118,9 +118,9 @@ def run(command, env, cwd, timeout=180):
 
 
 @pytest.fixture
-def env(env):
+def cold_env(env):
     """The conftest environment, but every process starts cold: the hang dumps find a job's ranks in torchrun's
-    process tree and read their command lines, which processes forked by the suite's warm start do not have."""
+    process tree and dump their stacks, which processes forked by the suite's warm start are not."""
     return {name: value for name, value in env.items() if name != "WARM_START_SOCKET"}
 
 
@@ -217,34 +217,34 @@ def test_preflight_under_slurm_without_torchrun(scratch, env):
     assert "PREFLIGHT OK: 2 rank(s) on 1 host(s)" in rank0.output
 
 
-def test_extra_allreduce_hang_dump_names_the_odd_ranks_line(scratch, env):
+def test_extra_allreduce_hang_dump_names_the_odd_ranks_line(scratch, cold_env):
     script = "extra_allreduce.py"
     odd, rest = waits_at(script, "dist.all_reduce(p.grad)", "train"), waits_at(script, "dist.barrier()", "main")
-    job = Job(EXTRA, env, scratch)
+    job = Job(EXTRA, cold_env, scratch)
     try:
-        section = wait_for_hang(DUMP, env, scratch, script, odd, rest)
+        section = wait_for_hang(DUMP, cold_env, scratch, script, odd, rest)
         groups = section.split("\n-- ")[1:]
         assert groups[0].startswith("rank 0 (") and "odd one out" in groups[0].splitlines()[0], section
         assert groups[1].startswith("ranks 1-2 ("), section
         # the same, given torchrun's process id
-        by_pid = job_section(run(f"{DUMP} {job.process.pid}", env, scratch, timeout=60).output, script)
+        by_pid = job_section(run(f"{DUMP} {job.process.pid}", cold_env, scratch, timeout=60).output, script)
         assert odd in by_pid.split("\n-- ")[1]
     finally:
         job.stop()
 
 
-def test_rank_conditional_hang_dump_shows_why_also_over_ssh(scratch, env):
+def test_rank_conditional_hang_dump_shows_why_also_over_ssh(scratch, cold_env):
     script = "rank_conditional.py"
     odd = waits_at(script, "dist.barrier()", "save_checkpoint")
     rest = waits_at(script, "dist.all_reduce(p.grad)", "train")
-    job = Job(CONDITIONAL, env, scratch)
+    job = Job(CONDITIONAL, cold_env, scratch)
     try:
-        section = wait_for_hang(DUMP, env, scratch, script, odd, rest)
+        section = wait_for_hang(DUMP, cold_env, scratch, script, odd, rest)
         rank0 = section.split("\n-- ")[1]
         assert rank0.startswith("rank 0 (") and "odd one out" in rank0, section
         assert f"train (diagnosing-errors/broken/{script}:" in rank0  # who called save_checkpoint
         (scratch / "hosts").write_text("node-b  # through the fake ssh\n")
-        remote = run(f"{DUMP} --hosts hosts", with_fakes(env, scratch), scratch, timeout=90)
+        remote = run(f"{DUMP} --hosts hosts", with_fakes(cold_env, scratch), scratch, timeout=90)
         assert odd in job_section(remote.output, script).split("\n-- ")[1], remote.output
     finally:
         job.stop()
