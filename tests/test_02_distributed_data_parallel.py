@@ -108,7 +108,7 @@ def test_a_zero1_checkpoint_holds_the_full_optimizer_state(env, runs):
 
 
 def test_one_failing_rank_ends_the_job_and_its_error_is_reported(env, tmp_path):
-    fault_env = with_faults(env, FAULT_RAISE_AFTER_STEPS="2", FAULT_RANK="1")
+    fault_env = with_faults(env, FAULT_RAISE_AFTER_STEPS="2", FAULT_RANK="1", WANDB_MODE="offline")
     result, _ = train("02", fault_env, tmp_path, "--max-steps", "1000", "--batch-size", "2", nproc=2, check=False,
                       timeout=180)
     ended = time.time()
@@ -170,7 +170,8 @@ def test_readme_cpu_command_trains(env, tmp_path):
     command = readme_cpu_command()
     assert command == ["torchrun", "--standalone", "--nproc-per-node", "2", f"{CHAPTERS['02']}/train_llm.py"]
     # As written, but from a scratch folder (so that outputs/ lands there) and shortened to 2 steps of 64 tokens.
-    result = run([*command[:-1], script("02"), "--max-steps", "2", "--seq-length", "64"], env, tmp_path)
+    result = run([*command[:-1], script("02"), "--max-steps", "2", "--seq-length", "64"],
+                 {**env, "WANDB_MODE": "offline"}, tmp_path)
     experiment = tmp_path / "outputs" / "quickstart"
     assert [record["step"] for record in read_metrics(experiment)] == [2]
     assert (experiment / "checkpoint-00000002" / "model.pt").exists()
