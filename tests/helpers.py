@@ -136,6 +136,11 @@ def with_faults(env, **variables):
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(FAULTS)])), **variables}
 
 
+def cold_start(env):
+    """env without the warm-start server: every process it starts imports its libraries itself (tests/warm_start)."""
+    return {name: value for name, value in env.items() if name != "WARM_START_SOCKET"}
+
+
 def torchrun(nproc, *extra):
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc, *extra]
 

@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, error_line, loss_and_weight_differences, read_losses, run,
+from helpers import (CHAPTERS, FAST_ARGS, REPO, cold_start, error_line, loss_and_weight_differences, read_losses, run,
                      run_together, script)
 
 CHAPTER = REPO / CHAPTERS["03"]
@@ -51,7 +51,7 @@ def env(env):
     """The conftest environment, but every process starts cold: the launchers place the processes they start (srun
     its CPU binding and cgroup, mpirun its core binding), which a process forked by the suite's warm start would not
     inherit."""
-    return {name: value for name, value in env.items() if name != "WARM_START_SOCKET"}
+    return cold_start(env)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from helpers import processes_with_marker
-from helpers import REPO
+from helpers import REPO, cold_start
 
 CHAPTER = REPO / "diagnosing-errors"
 
@@ -121,7 +121,7 @@ def run(command, env, cwd, timeout=180):
 def cold_env(env):
     """The conftest environment, but every process starts cold: the hang dumps find a job's ranks in torchrun's
     process tree and dump their stacks, which processes forked by the suite's warm start are not."""
-    return {name: value for name, value in env.items() if name != "WARM_START_SOCKET"}
+    return cold_start(env)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CHAPTERS, REPO, read_metrics, run, script, train
+from helpers import CHAPTERS, REPO, cold_start, read_metrics, run, script, train
 
 EXISTING_CHAPTERS = [chapter for chapter in CHAPTERS if script(chapter).exists()]
 READMES = sorted(REPO.glob("*.md")) + sorted(REPO.glob("*/README.md"))
@@ -263,7 +263,7 @@ def warm_served(env):
 def test_a_warm_started_job_is_the_job_a_cold_start_runs(env, tmp_path):
     if "WARM_START_SOCKET" not in env:
         pytest.skip("WARM_START=0: every process starts cold")
-    cold_env = {name: value for name, value in env.items() if name != "WARM_START_SOCKET"}
+    cold_env = cold_start(env)
     served_before = set(warm_served(env))
     cold, cold_dir = train("02", cold_env, tmp_path, "--max-steps", "3", nproc=2, experiment="cold")
     assert set(warm_served(env)) == served_before, "a process started without WARM_START_SOCKET ran warm"
