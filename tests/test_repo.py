@@ -2,10 +2,12 @@
 and passes only flags its script accepts, every torch.load says where its tensors go, and no chapter's training
 forward builds a KV cache. Every chapter README has the common structure (its '## ' headings in order, no diff
 block over 40 lines), quotes only lines of its chapter's code in its Python excerpts, and links only to sections
-that exist; the top-level README's layout names every folder. The suite's warm start (tests/warm_start) runs a
+that exist; every Markdown file renders as written (CommonMark); the top-level README's layout names every
+folder. The suite's warm start (tests/warm_start) runs a
 distributed job as a cold start does: the same losses, gradient norms and log lines, its exit status and signals."""
 
 import ast
+import itertools
 import json
 import re
 import signal
@@ -304,3 +306,41 @@ def test_a_warm_started_process_exits_and_dies_as_a_cold_one(env, tmp_path):
     assert (tmp_path / "ran.txt").read_text() == "exits.py\ndies.py\nwaits.py\n"
     served = [" ".join(argv) for argv in warm_served(env).values()]
     assert [sum(name in argv for argv in served) for name in ["exits.py", "dies.py", "waits.py"]] == [1, 1, 1]
+
+
+def render_problems(text):
+    """What a CommonMark parser (markdown-it-py) renders otherwise than the author meant: a code fence that runs to
+    the end of the file, a fence line with text after it (which does not close the fence), a '#' line that does not
+    come out as a heading."""
+    from markdown_it import MarkdownIt
+
+    lines, problems = text.splitlines(), []
+    tokens = MarkdownIt("commonmark").parse(text)
+    heading_lines = {token.map[0] for token in tokens if token.type == "heading_open"}
+    for token in (token for token in tokens if token.type == "fence"):
+        start, end = token.map
+        closing = lines[end - 1].strip() if end - 1 > start else ""
+        if not (closing.startswith(token.markup) and closing.strip(token.markup[0]) == ""):
+            problems.append(f"line {start + 1}: the code fence is never closed")
+        problems += [f"line {number + 1}: a fence line with text after it: {lines[number].strip()[:60]!r}"
+                     for number in range(start + 1, end) if re.match(r"\s*(```|~~~)\s*\S", lines[number])
+                     and not lines[number].strip().startswith(token.markup * 2)]
+    # NOTE: where the author meant code to be: between lines that start a fence, as a reader of the source sees it.
+    meant_as_code = {number for number, inside in enumerate(itertools.accumulate(
+        (bool(re.match(r"\s*(```|~~~)", line)) for line in lines), lambda inside, fence: inside ^ fence)) if inside}
+    problems += [f"line {number + 1}: not rendered as a heading: {line[:60]!r}" for number, line in enumerate(lines)
+                 if re.match(r" {0,3}#{1,6} ", line) and number not in meant_as_code and number not in heading_lines]
+    return problems
+
+
+@pytest.mark.parametrize("readme", ALL_READMES, ids=lambda path: str(path.relative_to(REPO)))
+def test_every_markdown_file_renders_as_written(readme):
+    problems = render_problems(readme.read_text())
+    assert not problems, f"{readme.relative_to(REPO)}: " + "; ".join(problems)
+
+
+def test_the_render_check_finds_what_breaks_rendering():
+    assert render_problems("# Title\n\n```mermaid\nflowchart LR\n``` Then prose.\n\n## Section\n") == [
+        "line 3: the code fence is never closed", "line 5: a fence line with text after it: '``` Then prose.'",
+        "line 7: not rendered as a heading: '## Section'"]
+    assert render_problems("# Title\n\n```bash\n# a comment\n```\n\n## Section\n") == []
