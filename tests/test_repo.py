@@ -3,8 +3,8 @@ and passes only flags its script accepts, every torch.load says where its tensor
 forward builds a KV cache. Every chapter README has the common structure (its '## ' headings in order, no diff
 block over 40 lines), quotes only lines of its chapter's code in its Python excerpts, and links only to sections
 that exist; every Markdown file renders as written (CommonMark); the top-level README's layout names every
-folder. The suite's warm start (tests/warm_start) runs a
-distributed job as a cold start does: the same losses, gradient norms and log lines, its exit status and signals."""
+folder. The suite's warm start (tests/warm_start) runs a distributed job as a cold start does: the same losses,
+gradient norms and log lines, its exit status and signals."""
 
 import ast
 import itertools
