@@ -38,7 +38,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
@@ -82,7 +82,8 @@ def main():
             "--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install "
             "flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
     with device:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention_implementation(args.attn_implementation), dtype=torch.float32)
     init_weights(model, args.seed)
     num_params = sum(p.numel() for p in model.parameters())
     LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers")
@@ -335,6 +336,18 @@ def load_model_config(model_name):
         first_line = str(error).strip().splitlines()[0]
         fail(f"cannot load a model config from {model_name!r} ({first_line}); "
              "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
+
+
+def attention_implementation(attn_implementation):
+    """The attention implementation to build the model with: "sdpa" registered again under a name without masks.
+
+    NOTE: for "sdpa", transformers' mask creation reads position_ids on the host (packed sequences?): a sync in every
+    forward. A name with no mask function gets no mask, and SDPA runs with is_causal=True, as "sdpa" does after it.
+    """
+    if attn_implementation != "sdpa":
+        return attn_implementation
+    AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
+    return "causal_sdpa"
 
 
 def get_attention_kwargs(attn_implementation, input_ids):

@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
@@ -98,7 +98,8 @@ def main():
     # in a second on any machine. parallelize_model() then replaces every parameter by a DTensor holding this
     # rank's slice, still on meta; to_empty() allocates only those slices on the device; init_weights() fills them.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention_implementation(args.attn_implementation), dtype=torch.float32)
     parallelize_model(model, tp_mesh)
     model.to_empty(device=device)
     init_weights(model, args.seed)
@@ -405,6 +406,18 @@ def load_model_config(model_name):
         first_line = str(error).strip().splitlines()[0]
         fail(f"cannot load a model config from {model_name!r} ({first_line}); "
              "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
+
+
+def attention_implementation(attn_implementation):
+    """The attention implementation to build the model with: "sdpa" registered again under a name without masks.
+
+    NOTE: for "sdpa", transformers' mask creation reads position_ids on the host (packed sequences?): a sync in every
+    forward. A name with no mask function gets no mask, and SDPA runs with is_causal=True, as "sdpa" does after it.
+    """
+    if attn_implementation != "sdpa":
+        return attn_implementation
+    AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
+    return "causal_sdpa"
 
 
 def get_attention_kwargs(attn_implementation, input_ids):

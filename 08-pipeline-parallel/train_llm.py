@@ -46,7 +46,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.masking_utils import create_causal_mask
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -100,7 +100,8 @@ def main():
     # replaces every parameter by a DTensor holding this rank's shard, still on meta; to_empty() allocates only
     # those shards on the device; init_weights() fills them.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=args.attn_implementation, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention_implementation(args.attn_implementation), dtype=torch.float32)
     # NOTE: counted on the whole model, before it is cut: every token goes through every stage once.
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
@@ -437,6 +438,18 @@ def load_model_config(model_name):
         first_line = str(error).strip().splitlines()[0]
         fail(f"cannot load a model config from {model_name!r} ({first_line}); "
              "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
+
+
+def attention_implementation(attn_implementation):
+    """The attention implementation to build the model with: "sdpa" registered again under a name without masks.
+
+    NOTE: for "sdpa", transformers' mask creation reads position_ids on the host (packed sequences?): a sync in every
+    forward. A name with no mask function gets no mask, and SDPA runs with is_causal=True, as "sdpa" does after it.
+    """
+    if attn_implementation != "sdpa":
+        return attn_implementation
+    AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
+    return "causal_sdpa"
 
 
 def get_attention_kwargs(attn_implementation, input_ids):

@@ -97,7 +97,7 @@ def main():
     check_context_parallel(args, config, device)
     cp_mesh, load_balance = mesh["cp"], args.cp_load_balance == "on"
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
-    attn_implementation = args.attn_implementation
+    attn_implementation = attention_implementation(args.attn_implementation)
     if args.cp > 1:
         # NOTE: the attention modules call the function registered under this name: the model's code is untouched.
         attn_implementation = register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
@@ -430,6 +430,18 @@ def load_model_config(model_name):
              "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
 
 
+def attention_implementation(attn_implementation):
+    """The attention implementation to build the model with: "sdpa" registered again under a name without masks.
+
+    NOTE: for "sdpa", transformers' mask creation reads position_ids on the host (packed sequences?): a sync in every
+    forward. A name with no mask function gets no mask, and SDPA runs with is_causal=True, as "sdpa" does after it.
+    """
+    if attn_implementation != "sdpa":
+        return attn_implementation
+    AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
+    return "causal_sdpa"
+
+
 def get_attention_kwargs(attn_implementation, input_ids):
     """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
 
@@ -639,10 +651,9 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad_output):
         query, key, value, output, lse = ctx.saved_tensors
         rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        grad_output = grad_output.float()
         # NOTE: the softmax's backward needs, for each query, the sum of grad_output * output over the head
         # dimension, of the final output: one number per query, computed once and used against every block.
-        delta = (grad_output * output.float()).sum(-1)
+        delta = (grad_output.float() * output.float()).sum(-1)
         grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
         grad_key_value = torch.zeros((2, *key.shape), dtype=torch.float32, device=key.device)
         key_value = torch.stack([key, value])
@@ -716,13 +727,13 @@ def visible_block(rank, source, local_length, load_balance):
 def attention_block(query, key, value, scale, causal):
     """softmax(query key^T x scale) value for one block of queries and keys, and each query's log-sum-exp.
 
-    NOTE: plain matrix products in fp32, exact and on any device. The block's scores (queries x keys of one rank) live
-    only in this call and its backward's recomputation, turned into probabilities in place: one block-sized tensor.
+    NOTE: as in FlashAttention, the matrix products run in the compute dtype and the softmax in fp32. The block's
+    scores (queries x keys of one rank) live only in this call and its backward's recomputation.
     """
     scores = block_scores(query, key, scale, causal)
     lse = scores.logsumexp(-1, keepdim=True)
-    output = scores.sub_(lse).exp_() @ value.float()
-    return output.view(query.shape), lse.view(query.shape[:-1])
+    output = scores.sub_(lse).exp_().to(value.dtype) @ value
+    return output.float().view(query.shape), lse.view(query.shape[:-1])
 
 
 def attention_block_backward(grad_output, query, key, value, lse, delta, scale, causal):
@@ -730,26 +741,28 @@ def attention_block_backward(grad_output, query, key, value, lse, delta, scale, 
     batch, kv_heads, rows = key.shape[0], key.shape[1], query.shape[1] // key.shape[1] * query.shape[2]
     # NOTE: the final log-sum-exp turns each block's scores into the block's share of the whole softmax.
     probabilities = block_scores(query, key, scale, causal).sub_(lse.reshape(batch, kv_heads, rows, 1)).exp_()
+    probabilities = probabilities.to(value.dtype)
     grad_output = grad_output.reshape(batch, kv_heads, rows, -1)
     grad_value = probabilities.transpose(-1, -2) @ grad_output
-    # NOTE: the softmax's backward, in place on the gradient of the probabilities: two block-sized tensors at most.
-    grad_scores = (grad_output @ value.float().transpose(-1, -2)).sub_(delta.reshape(batch, kv_heads, rows, 1))
-    grad_scores.mul_(probabilities)
-    grad_query = (grad_scores @ key.float() * scale).view(query.shape)
-    grad_key = grad_scores.transpose(-1, -2) @ query.float().reshape(batch, kv_heads, rows, -1) * scale
+    # NOTE: the softmax's backward in fp32, on the gradient of the probabilities, then back to the compute dtype.
+    grad_scores = (grad_output @ value.transpose(-1, -2)).float().sub_(delta.reshape(batch, kv_heads, rows, 1))
+    grad_scores = grad_scores.mul_(probabilities).to(query.dtype)
+    grad_query = (grad_scores @ key * scale).view(query.shape)
+    grad_key = grad_scores.transpose(-1, -2) @ query.reshape(batch, kv_heads, rows, -1) * scale
     return grad_query, grad_key, grad_value
 
 
 def block_scores(query, key, scale, causal):
-    """The attention scores of a block, (batch, kv_heads, heads / kv_heads x queries, keys), in fp32.
+    """The attention scores of a block, (batch, kv_heads, heads / kv_heads x queries, keys): a product in the compute
+    dtype, in fp32.
 
     NOTE: grouped-query attention: the heads / kv_heads query heads that share a key/value head are stacked as rows
     of one matrix product with it, so the key/value heads are never repeated (neither in memory nor on the wire).
     """
     batch, heads, num_queries, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
-    grouped_query = query.float().reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)
-    scores = (grouped_query @ key.float().transpose(-1, -2)).mul_(scale)
+    grouped_query = query.reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)
+    scores = (grouped_query @ key.transpose(-1, -2)).float().mul_(scale)
     if causal:
         future = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).triu(1)
         scores.masked_fill_(future.repeat(heads // kv_heads, 1), float("-inf"))

@@ -22,8 +22,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
-                     logged_parameter_count, max_difference, read_losses, run, script, torchrun, train)
+from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, FakeFlashAttention, checkpoint_weights, error_line,
+                     load_script, logged_parameter_count, max_difference, read_losses, run, script, torchrun, train)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
@@ -311,36 +311,6 @@ def test_a_folder_without_one_of_the_weights_gets_a_one_line_error(runs, env, tm
         "describes, under the Hugging Face names"), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
 
-
-
-class FakeFlashAttention:
-    """flash-attn's two functions, computed with PyTorch's SDPA on the CPU, in the (tokens, heads, head_dim) layout
-    flash-attn uses: what transformers' flash-attention path calls, on a machine without flash-attn. Counts the
-    calls; the varlen function attends within each sequence the boundaries cu_seqlens give."""
-
-    def __init__(self):
-        self.calls = {"flash_attn_func": 0, "flash_attn_varlen_func": 0}
-
-    @staticmethod
-    def attention(q, k, v, causal, scale):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2), is_causal=causal, scale=scale,
-            enable_gqa=True)
-        return out.transpose(-3, -2)
-
-    def flash_attn_func(self, q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
-        self.calls["flash_attn_func"] += 1
-        return self.attention(q, k, v, causal, softmax_scale)
-
-    def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                               softmax_scale=None, causal=False):
-        self.calls["flash_attn_varlen_func"] += 1
-        assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
-        bounds = cu_seqlens_q.tolist()
-        assert bounds == cu_seqlens_k.tolist() and bounds[-1] == q.shape[0]
-        assert max_seqlen_q == max(end - start for start, end in zip(bounds, bounds[1:]))
-        return torch.cat([self.attention(q[start:end], k[start:end], v[start:end], causal, softmax_scale)
-                          for start, end in zip(bounds, bounds[1:])])
 
 
 def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers(monkeypatch):

@@ -18,6 +18,16 @@ Everything after the script's path goes to the script. Each rank writes OUT/rank
   temporary buffer (the CPU has no allocator statistics; this counts the storages of every tensor an operator
   returns).
 
+* "host_syncs": per step, {"OPERATOR at FILE:LINE": calls} for every operator that makes the host wait for the
+  device: aten._local_scalar_dense (.item(), bool(tensor), `if tensor:`), aten.is_nonzero, aten.equal, aten.nonzero,
+  aten.unique*, aten.masked_select, aten.repeat_interleave without output_size, copies to the CPU from another
+  device, and Tensor.tolist (which dispatches no operator: it is patched). FILE:LINE is the first Python frame
+  outside torch (and this tool): where the chapter or transformers asked for the value. Syncs between steps (the
+  logged loss) are in "host_syncs_between_steps".
+* "matmuls": per step, {"OPERATOR(input dtypes)": calls} for every mm, bmm, addmm, baddbmm, addbmm, linear and
+  scaled-dot-product-attention operator (forward and backward, every aten variant), with the dtypes of its tensor
+  inputs: what precision each matrix multiplication runs in.
+
 How it works: a TorchDispatchMode sees every operator, including the c10d collectives that DDP's C++ reducer and
 FSDP issue and the functional collectives DTensor issues; a global optimizer hook marks the end of each step.
 
@@ -134,6 +144,7 @@ class StepMeter:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.steps = []
         self.between_steps = defaultdict(lambda: {"calls": 0, "buffer_bytes": 0, "sent_bytes": 0.0})
+        self.host_syncs_between_steps = defaultdict(int)
         self.current = None
         self.memory_held = None
         self.optimizers_seen = weakref.WeakSet()
@@ -152,6 +163,7 @@ class StepMeter:
                       register_optimizer_step_pre_hook(self.on_optimizer_step_begin),
                       register_optimizer_step_post_hook(self.on_optimizer_step_end)]
         self.patch_storage_resize(torch)
+        self.patch_tolist(torch)
         self.mode = make_dispatch_mode(self)
         self.mode.__enter__()
         atexit.register(self.write)
@@ -171,7 +183,7 @@ class StepMeter:
             self.current = {"step": len(self.steps) + 1, "collectives": defaultdict(
                 lambda: {"calls": 0, "buffer_bytes": 0, "sent_bytes": 0.0}),
                 "live_bytes_at_start": self.live_bytes, "peak_live_bytes": self.live_bytes,
-                "in_forward_backward": True}
+                "in_forward_backward": True, "host_syncs": defaultdict(int), "matmuls": defaultdict(int)}
 
     def on_optimizer_step_begin(self, optimizer, args, kwargs):
         if self.optimizer_depth == 0 and self.current is not None:
@@ -191,6 +203,7 @@ class StepMeter:
             step = self.current
             self.steps.append({"step": step["step"], "collectives": dict(step["collectives"]),
                                "peak_live_bytes_above_start": step.get("peak_live_bytes_above_start", 0),
+                               "host_syncs": dict(step["host_syncs"]), "matmuls": dict(step["matmuls"]),
                                **({"calls": step["calls"]} if "calls" in step else {})})
             self.current = None
             self.write()
@@ -205,6 +218,29 @@ class StepMeter:
         counts["calls"] += 1
         counts["buffer_bytes"] += buffer_bytes
         counts["sent_bytes"] += bytes_sent(kind, buffer_bytes, group_size)
+
+    # Host synchronizations and matmul precision
+
+    def on_host_sync(self, op_name):
+        key = f"{op_name} at {python_location()}"
+        counts = self.current["host_syncs"] if self.current is not None else self.host_syncs_between_steps
+        counts[key] += 1
+
+    def on_matmul(self, op_name, dtypes):
+        if self.current is not None:
+            self.current["matmuls"][f"{op_name}({', '.join(dtypes)})"] += 1
+
+    def patch_tolist(self, torch):
+        """Tensor.tolist() reads the values on the host without dispatching an operator."""
+        original_tolist = torch.Tensor.tolist
+        meter = self
+
+        def tolist(tensor):
+            if type(tensor) is torch.Tensor and tensor.device.type != "meta":
+                meter.on_host_sync("Tensor.tolist")
+            return original_tolist(tensor)
+
+        torch.Tensor.tolist = tolist
 
     # Live tensor bytes
 
@@ -247,7 +283,8 @@ class StepMeter:
     def write(self):
         self.out_dir.mkdir(parents=True, exist_ok=True)
         measurement = {"rank": self.rank, "world_size": self.world_size, "memory_held": self.memory_held or {},
-                       "steps": self.steps, "between_steps": dict(self.between_steps)}
+                       "steps": self.steps, "between_steps": dict(self.between_steps),
+                       "host_syncs_between_steps": dict(self.host_syncs_between_steps)}
         temporary = self.out_dir / f".rank-{self.rank}.json.tmp"
         temporary.write_text(json.dumps(measurement, indent=1))
         os.replace(temporary, self.out_dir / f"rank-{self.rank}.json")
@@ -305,6 +342,11 @@ def make_dispatch_mode(meter):
             output = func(*args, **kwargs)
             if isinstance(func, torch._ops.HigherOrderOperator):
                 return output
+            if is_host_sync(func, args, kwargs):
+                meter.on_host_sync(func._schema.name)
+            if func._schema.name in MATMULS or "scaled_dot_product" in func._schema.name:
+                meter.on_matmul(func._schema.name, [str(t.dtype).removeprefix("torch.") for t in tree_leaves((args, kwargs))
+                                                    if torch.is_tensor(t)])
             spec = collectives.get(func._schema.name)
             if spec is not None:
                 kind, measured = spec
@@ -320,6 +362,40 @@ def make_dispatch_mode(meter):
             return output
 
     return Mode()
+
+
+MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::linear",
+           "aten::_addmm_activation", "aten::matmul"}
+# NOTE: operators whose output shape, or result, is a value the host must read from the device first.
+HOST_SYNCS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::nonzero", "aten::masked_select",
+              "aten::unique_dim", "aten::_unique", "aten::_unique2", "aten::unique_consecutive",
+              "aten::unique_dim_consecutive"}
+
+
+def is_host_sync(func, args, kwargs):
+    """Whether this operator makes the host wait for the device (see "host_syncs" in the module's docstring)."""
+    import torch
+
+    name = func._schema.name
+    if name == "aten::repeat_interleave":
+        return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
+    if name in ("aten::_to_copy", "aten::copy_"):
+        source = args[1] if name == "aten::copy_" else args[0]
+        target = args[0].device if name == "aten::copy_" else kwargs.get("device")
+        return (torch.is_tensor(source) and source.device.type not in ("cpu", "meta") and target is not None
+                and torch.device(target).type == "cpu")
+    return name in HOST_SYNCS
+
+
+def python_location():
+    """FILE:LINE of the innermost Python frame outside torch and this tool: who asked for the value."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if (os.sep + "torch" + os.sep) not in filename and filename != __file__:
+            return f"{Path(filename).parent.name}/{Path(filename).name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
 
 
 def collective_table():
