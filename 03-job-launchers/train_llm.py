@@ -214,6 +214,9 @@ def main():
         metrics_file.close()
         wandb.finish()
     LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
+    # NOTE: DDP's Reducer goes first: dropping the group's last reference, it would join gloo's threads holding the
+    # GIL that one of them may wait for, a hang at exit (pytorch #56297); the group's own binding lets go of the GIL.
+    del model
     dist.destroy_process_group()
 
 
