@@ -314,8 +314,9 @@ def load_and_tokenize_dataset(args, tokenizer):
     if not cache_dir.exists():
         LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
         raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
-        require(args.text_column in raw_dataset.column_names, f"the data set has no column {args.text_column!r} (it "
-                f"has {raw_dataset.column_names}); pass --text-column with the column that holds the text")
+        columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
+        require(columns.get(args.text_column) in ("string", "large_string"), f"the data set has no column "
+                f"{args.text_column!r} of text (its columns: {columns}); pass --text-column with the column of text")
         tokenized = raw_dataset.map(
             lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
             batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
@@ -341,10 +342,11 @@ def load_raw_dataset(dataset_name, dataset_subset):
             builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         return datasets.load_dataset(dataset_name, dataset_subset, split="train")
-    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
-        first_line = str(error).strip().splitlines()[0]
-        fail(f"cannot load the data set {dataset_name!r} ({first_line}); pass -d a local folder or file, "
-             "or a Hugging Face hub name like tatsu-lab/alpaca")
+    # NOTE: an empty file raises a bare StopIteration; a file that does not parse, a DatasetsError caused by why.
+    except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
+        first_line = (str(error.__cause__ or error).strip() or "it holds no data").splitlines()[0]
+        fail(f"cannot load the data set {dataset_name!r} ({first_line}); pass -d a Hugging Face hub name like "
+             "tatsu-lab/alpaca, or a file or folder of .jsonl, .json, .csv, .txt or .parquet files in those formats")
 
 
 def cut_into_chunks(token_lists, seq_length):

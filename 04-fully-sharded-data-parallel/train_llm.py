@@ -318,6 +318,11 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "python (a single process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
+    # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
+    require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+            != "True", "torchrun --max-restarts with the workers on the agent's TCP store (TORCHELASTIC_USE_AGENT_STORE"
+            "=True): a restart hangs or fails; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (with "
+            "--standalone or --rdzv-backend c10d), or drop --max-restarts")
     require("MASTER_ADDR" in environment and "MASTER_PORT" in environment, f"started by {launcher} without "
             "MASTER_ADDR and MASTER_PORT; export them in the job script, set to the first node of the job and a free "
             "port (see job-srun.sbatch and mpirun.sh)")
@@ -379,15 +384,23 @@ def rank_zero_first():
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
     everything there, instead of 64 processes downloading and tokenizing the same at once. They wait in a barrier of a
     gloo group of their own, whose timeout is a day: rank 0's work can outlast the process group's --dist-timeout, which
-    would end the job at a barrier of the default group. If rank 0 fails, its connections close and the others fail too.
+    would end the job at a barrier of the default group. If rank 0 stops with an `error:` line (bad input), it sends the
+    line to the others, which stop with it too; if it crashes, its connections close and the others fail too.
     """
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    rank_zero_error = [None]
     if dist.get_rank() != 0:
-        dist.barrier(group=waiting_group)
-    yield
-    if dist.get_rank() == 0:
-        dist.barrier(group=waiting_group)
-    dist.destroy_process_group(waiting_group)
+        dist.broadcast_object_list(rank_zero_error, src=0, group=waiting_group)
+        require(rank_zero_error[0] is None, rank_zero_error[0])
+    try:
+        yield
+    except SystemExit as error:
+        rank_zero_error[0] = str(error).removeprefix("error: ")
+        raise
+    finally:
+        if dist.get_rank() == 0:
+            dist.broadcast_object_list(rank_zero_error, src=0, group=waiting_group)
+        dist.destroy_process_group(waiting_group)
 
 
 # 1. The model
@@ -506,8 +519,9 @@ def load_and_tokenize_dataset(args, tokenizer):
     if not cache_dir.exists():
         LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
         raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
-        require(args.text_column in raw_dataset.column_names, f"the data set has no column {args.text_column!r} (it "
-                f"has {raw_dataset.column_names}); pass --text-column with the column that holds the text")
+        columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
+        require(columns.get(args.text_column) in ("string", "large_string"), f"the data set has no column "
+                f"{args.text_column!r} of text (its columns: {columns}); pass --text-column with the column of text")
         tokenized = raw_dataset.map(
             lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
             batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
@@ -533,10 +547,11 @@ def load_raw_dataset(dataset_name, dataset_subset):
             builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
             return datasets.load_dataset(builder, data_files=str(path), split="train")
         return datasets.load_dataset(dataset_name, dataset_subset, split="train")
-    except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as error:
-        first_line = str(error).strip().splitlines()[0]
-        fail(f"cannot load the data set {dataset_name!r} ({first_line}); pass -d a local folder or file, "
-             "or a Hugging Face hub name like tatsu-lab/alpaca")
+    # NOTE: an empty file raises a bare StopIteration; a file that does not parse, a DatasetsError caused by why.
+    except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
+        first_line = (str(error.__cause__ or error).strip() or "it holds no data").splitlines()[0]
+        fail(f"cannot load the data set {dataset_name!r} ({first_line}); pass -d a Hugging Face hub name like "
+             "tatsu-lab/alpaca, or a file or folder of .jsonl, .json, .csv, .txt or .parquet files in those formats")
 
 
 def cut_into_chunks(token_lists, seq_length):

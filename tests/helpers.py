@@ -42,9 +42,11 @@ def run(command, env, cwd, timeout=300, check=True):
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        stacks = stack_dumps(env, process.stdout)
         stop_everything(process, env)
         stdout, stderr = process.communicate()
-        raise AssertionError(f"timed out after {timeout}s: {command}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-3000:]}")
+        raise AssertionError(f"timed out after {timeout}s: {command}\n--- stdout\n{stdout[-3000:]}\n--- stderr\n"
+                             f"{stderr[-3000:]}\n--- stacks\n{stacks}")
     finally:
         stop_everything(process, env)
     result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
@@ -69,8 +71,10 @@ class BackgroundRun:
         try:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stacks = stack_dumps(self.env, self.stdout)
             self.stop()
-            raise AssertionError(f"timed out after {timeout}s: {self.command}\n{self.output()[1][-3000:]}")
+            raise AssertionError(f"timed out after {timeout}s: {self.command}\n{self.output()[1][-3000:]}\n"
+                                 f"--- stacks\n{stacks}")
         stdout, stderr = self.output()
         return subprocess.CompletedProcess(self.command, self.process.returncode, stdout, stderr)
 
@@ -102,6 +106,42 @@ def stop_everything(process, env):
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def stack_dumps(env, *streams):
+    """py-spy's dump (Python and native frames) of each process a test started that is still running: the next hang
+    explains itself. The processes are those with the test's marker, and those writing to one of the streams (a
+    file object of ours): a warm-started process carries the warm-start server's environment, not the marker."""
+    import shutil
+
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if py_spy is None:
+        return "no stacks: py-spy is not installed (pip install -r requirements-dev.txt)"
+    pids = set(processes_with_marker(env.get("TEST_PROCESS_MARKER"))) | processes_writing_to(streams)
+    dumps = []
+    for pid in sorted(pids):
+        try:
+            dump = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=60)
+            dumps.append(dump.stdout if dump.returncode == 0 else f"pid {pid}: {dump.stderr.strip().splitlines()[:1]}")
+        except subprocess.TimeoutExpired:
+            dumps.append(f"pid {pid}: py-spy did not answer in 60 s")
+    return "\n".join(dumps)
+
+
+def processes_writing_to(streams):
+    """Process ids whose standard output or error is one of these file objects (the same pipe or file)."""
+    targets = {os.readlink(f"/proc/self/fd/{stream.fileno()}") for stream in streams if stream is not None}
+    found = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            for fd in ("1", "2"):
+                try:
+                    if os.readlink(proc / "fd" / fd) in targets:
+                        found.add(int(proc.name))
+                except OSError:
+                    pass
+    return found
 
 
 def kill_session(session_id):
@@ -203,9 +243,15 @@ class SharedRuns:
 
     def train(self, chapter, env, *args, nproc=None):
         """Like train(): returns (result, experiment directory), from the first call with the same arguments."""
+        import shutil
+        import zlib
+
         key = (chapter, nproc, *map(str, args))
         if key not in self.results:
-            experiment = f"{chapter}-run{len(self.results)}"
+            # NOTE: named by its key and started afresh: a run that failed can leave its folder, with a checkpoint,
+            # which a run of another key (or of this one, asked again) would otherwise resume from.
+            experiment = f"{chapter}-run-{zlib.crc32(repr(key).encode()):08x}"
+            shutil.rmtree(self.workdir / "outputs" / experiment, ignore_errors=True)
             self.results[key] = train(chapter, env, self.workdir, *args, nproc=nproc, experiment=experiment)
         return self.results[key]
 
@@ -252,6 +298,7 @@ def run_together(commands, env, cwd, timeout=300):
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 timed_out = True
+                stacks = stack_dumps(env, *(stdout for stdout, _ in files))
                 break
     finally:
         for process in processes:
@@ -267,7 +314,7 @@ def run_together(commands, env, cwd, timeout=300):
         stderr.close()
     if timed_out:
         tails = "\n".join(f"--- {result.args}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}" for result in results)
-        raise AssertionError(f"timed out after {timeout}s\n{tails}")
+        raise AssertionError(f"timed out after {timeout}s\n{tails}\n--- stacks\n{stacks}")
     return results
 
 

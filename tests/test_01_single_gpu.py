@@ -165,7 +165,20 @@ BAD_INPUTS = {
     "dataset too small": (lambda tmp: ["-d", str(make_tiny_dataset(tmp))], "fewer than the 4 one optimizer step needs"),
     "zero batch size": (lambda tmp: ["--batch-size", "0"], "--batch-size must be at least 1"),
     "missing text column": (lambda tmp: ["--text-column", "content"], "no column 'content'"),
+    "empty file": (lambda tmp: ["-d", str(write(tmp / "empty.jsonl", ""))], "(it holds no data)"),
+    "folder without data files": (lambda tmp: ["-d", str(write(tmp / "notes" / "notes.md", "# notes").parent)],
+                                  "or a file or folder of .jsonl"),
+    "another format than its extension": (lambda tmp: ["-d", str(write(tmp / "data.jsonl", "text\nhello\n"))],
+                                          "(JSON parse error"),
+    "a column of numbers": (lambda tmp: ["-d", str(write(tmp / "numbers.jsonl", '{"text": 5}\n'))],
+                            "no column 'text' of text (its columns: {'text': 'int64'})"),
 }
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from helpers import (CHAPTERS, REPO, checkpoint_seconds, largest_weight_difference, load_script,
-                     max_difference, read_losses, read_metrics, run, script, train, train_with_a_restart, with_faults)
+                     max_difference, read_losses, read_metrics, run, script, torchrun, train, train_with_a_restart,
+                     with_faults)
 
 README = REPO / CHAPTERS["02"] / "README.md"
 STEPS = 10
@@ -176,3 +177,27 @@ def test_readme_cpu_command_trains(env, tmp_path):
     assert [record["step"] for record in read_metrics(experiment)] == [2]
     assert (experiment / "checkpoint-00000002" / "model.pt").exists()
     assert "rank 1 of 2" in result.stdout and "done: step 2 of 2" in result.stdout
+
+
+def test_a_finished_job_exits_while_gloo_threads_starve(env, tmp_path):
+    # pytorch #56297: a DDP model freed after destroy_process_group() drops the group's last reference in its Reducer,
+    # which joins gloo's threads holding the GIL, while one of them waits for it to free the last collective's tensors.
+    # FAULT_STARVE_GLOO_THREADS lets those threads run only when the main thread does not: without the `del model`
+    # before destroy_process_group(), this job logged "done" on both ranks and then hung, every time it was run.
+    started = time.monotonic()
+    result, _ = train("02", with_faults(env, FAULT_STARVE_GLOO_THREADS="1"), tmp_path, "--max-steps", "2",
+                      "--batch-size", "1", "--grad-accum", "2", *NO_WANDB, nproc=2, timeout=180)
+    assert result.stdout.count("INFO done: step 2 of 2") == 2
+    print(f"\ngloo's threads starved: the 2-rank job ended in {time.monotonic() - started:.0f}s")
+
+
+@pytest.mark.parametrize("chapter", ["02", "04"])
+def test_torchrun_restarts_on_the_agents_store_get_a_one_line_error(env, tmp_path, chapter):
+    # A restarted round of workers on the agent's TCP store hangs or fails in init_process_group() (pytorch #135712,
+    # #167288): every rank of every round stops at start-up with the fix, and torchrun gives up after its 1 restart.
+    result, _ = train(chapter, env, tmp_path, "--max-steps", "2", *NO_WANDB, nproc=2, check=False, timeout=240,
+                      launcher=[*torchrun(2), "--max-restarts", "1"])
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 4 and all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line for line in errors), errors
+    assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"

@@ -335,3 +335,15 @@ def test_the_readme_cpu_commands_are_layouts_tested_here():
         assert command[4] == f"{CHAPTERS['08']}/train_llm.py", command
         assert layout_of(command[3], command[5:]) in tested, command
     assert {layout_of(command[3], command[5:]) for command in commands} == tested
+
+
+def test_an_empty_data_file_stops_every_rank_with_the_one_line(env, tmp_path):
+    # Rank 0 loads the data first while rank 1 waits (rank_zero_first): its error line reaches rank 1, which stops with
+    # it too, where it reported "Connection closed by peer" before.
+    (tmp_path / "empty.jsonl").write_text("")
+    result, _ = train("08", env, tmp_path, *COMMON, "-d", tmp_path / "empty.jsonl", nproc=2, check=False, timeout=120)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all(line.startswith("error: cannot load the data set") and "(it holds no data)" in line
+                                    for line in errors), result.stderr[-3000:]
+    assert "train_llm.py\", line" not in result.stderr and "Connection closed" not in result.stderr

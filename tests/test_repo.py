@@ -344,3 +344,34 @@ def test_the_render_check_finds_what_breaks_rendering():
         "line 3: the code fence is never closed", "line 5: a fence line with text after it: '``` Then prose.'",
         "line 7: not rendered as a heading: '## Section'"]
     assert render_problems("# Title\n\n```bash\n# a comment\n```\n\n## Section\n") == []
+
+
+def test_a_run_that_times_out_reports_the_stacks_of_its_processes(env, tmp_path):
+    (tmp_path / "hangs.py").write_text("import time\n\n\ndef waits_forever():\n    time.sleep(600)\n\n\nwaits_forever()\n")
+    with pytest.raises(AssertionError) as failure:
+        run([sys.executable, tmp_path / "hangs.py"], env, tmp_path, timeout=10)
+    assert re.search(r"waits_forever \(\S*hangs.py:5\)", str(failure.value)), str(failure.value)[-3000:]
+
+
+def test_a_failed_shared_run_leaves_nothing_for_the_next_one(tmp_path, monkeypatch):
+    import helpers
+
+    experiments = []
+
+    def fails_after_a_checkpoint(chapter, env, workdir, *args, nproc=None, experiment="run"):
+        folder = Path(workdir) / "outputs" / experiment
+        experiments.append((experiment, sorted(path.name for path in folder.glob("*"))))
+        (folder / "checkpoint-00000002").mkdir(parents=True)
+        if args == ("--fails",):
+            raise AssertionError("timed out")
+        return None, folder
+
+    monkeypatch.setattr(helpers, "train", fails_after_a_checkpoint)
+    runs = helpers.SharedRuns(tmp_path)
+    for args in [("--fails",), ("--other",), ("--fails",)]:
+        try:
+            runs.train("02", {}, *args)
+        except AssertionError:
+            pass
+    (failed, _), (other, left_to_other), (again, left_to_again) = experiments
+    assert other != failed and again == failed and left_to_other == left_to_again == [], experiments

@@ -120,3 +120,23 @@ if os.environ.get("FAULT_SLEEP_ON_CALL"):
             return not_slept(*args, **kwargs)
 
         setattr(sleep_module, sleep_function_name, sleep_then_call)
+
+# FAULT_STARVE_GLOO_THREADS=1   after init_process_group(), the threads it started (gloo's workers) get the CPU only
+#                               when nothing else wants it (SCHED_IDLE), and the process runs on one CPU: the main
+#                               thread, woken by a finished collective, runs on before the worker that woke it has
+#                               freed its work, as on a busy node. It makes the exit deadlock of pytorch #56297 sure.
+if os.environ.get("FAULT_STARVE_GLOO_THREADS"):
+    import torch.distributed
+
+    not_starved = torch.distributed.init_process_group
+
+    def init_then_starve(*args, **kwargs):
+        threads_before = set(os.listdir("/proc/self/task"))
+        not_starved(*args, **kwargs)
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[int(os.environ.get("LOCAL_RANK", "0")) % len(cpus)]})
+        for thread_id in set(os.listdir("/proc/self/task")) - threads_before:
+            os.sched_setaffinity(int(thread_id), os.sched_getaffinity(0))
+            os.sched_setscheduler(int(thread_id), os.SCHED_IDLE, os.sched_param(0))
+
+    torch.distributed.init_process_group = init_then_starve
