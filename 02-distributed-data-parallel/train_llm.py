@@ -323,8 +323,8 @@ def rank_zero_first():
     NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
     everything there, instead of 64 processes downloading and tokenizing the same at once. They wait in a barrier of a
     gloo group of their own, whose timeout is a day: rank 0's work can outlast the process group's --dist-timeout, which
-    would end the job at a barrier of the default group. If rank 0 stops with an `error:` line (bad input), it sends the
-    line to the others, which stop with it too; if it crashes, its connections close and the others fail too.
+    would end the job at a barrier of the default group. If rank 0 stops (an `error:` line, or an exception), it sends
+    the others its message, and they stop with it.
     """
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
@@ -333,8 +333,9 @@ def rank_zero_first():
         require(rank_zero_error[0] is None, rank_zero_error[0])
     try:
         yield
-    except SystemExit as error:
-        rank_zero_error[0] = str(error).removeprefix("error: ")
+    except BaseException as error:
+        rank_zero_error[0] = (str(error).removeprefix("error: ") if isinstance(error, SystemExit)
+                              else f"rank 0 failed ({type(error).__name__}: {error}); see its traceback")
         raise
     finally:
         if dist.get_rank() == 0:
