@@ -572,7 +572,7 @@ class DecoderStage(torch.nn.Module):
         # Face's LlamaModel.forward() does once for all layers: they depend on the sequence length only, so sending
         # them along would only add traffic. With sdpa the mask is None: the kernel applies causality itself.
         position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
-        # NOTE: no padding mask and no KV cache, by position: transformers 5.20 renamed past_key_values to cache.
+        # NOTE: no padding mask and no KV cache, by position: transformers after 5.17 renamed past_key_values to cache.
         causal_mask = create_causal_mask(self.config, hidden_states, None, None, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         # NOTE: get_attention_kwargs() reads only the (micro-batch, sequence) shape of what it is given. And no KV
