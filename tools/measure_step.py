@@ -17,6 +17,12 @@ Everything after the script's path goes to the script. Each rank writes OUT/rank
   backward, minus what was alive when the step's forward began: activations, the gathered FSDP layers and every
   temporary buffer (the CPU has no allocator statistics; this counts the storages of every tensor an operator
   returns).
+* "peak_full_size_grad_bytes": per step, the most bytes of full-size (unsharded) gradients alive at once: FSDP's
+  unsharded gradients (an FSDPParam's unsharded_accumulated_grad and its _unsharded_param.grad, before they are
+  reduce-scattered into the shard's gradient), plus the .grad of every parameter that is a plain tensor (DDP's, one
+  GPU's); the shards' gradients and DTensor parameters' are left out. Gradients arrive in autograd and leave only in
+  an FSDP group's post_backward() (or zero_grad()), so it is sampled exactly at the start of every post_backward()
+  and of the optimizer step, each gradient counted once.
 
 How it works: a TorchDispatchMode sees every operator, including the c10d collectives that DDP's C++ reducer and
 FSDP issue and the functional collectives DTensor issues; a global optimizer hook marks the end of each step.
@@ -142,6 +148,8 @@ class StepMeter:
         self.live_bytes = 0
         self.mode = None
         self.hooks = []
+        self.modules_seen = weakref.WeakSet()
+        self.grad_holders = []  # weak references to FSDPParams and plain parameters, whose gradients are full-size
 
     def start(self):
         import torch
@@ -152,6 +160,7 @@ class StepMeter:
                       register_optimizer_step_pre_hook(self.on_optimizer_step_begin),
                       register_optimizer_step_post_hook(self.on_optimizer_step_end)]
         self.patch_storage_resize(torch)
+        self.patch_fsdp_post_backward()
         self.mode = make_dispatch_mode(self)
         self.mode.__enter__()
         atexit.register(self.write)
@@ -167,14 +176,18 @@ class StepMeter:
     # Step boundaries
 
     def on_forward(self, module, inputs):
+        if module not in self.modules_seen:
+            self.modules_seen.add(module)
+            self.track_grad_holders(module)
         if self.current is None and self.optimizer_depth == 0:
             self.current = {"step": len(self.steps) + 1, "collectives": defaultdict(
                 lambda: {"calls": 0, "buffer_bytes": 0, "sent_bytes": 0.0}),
                 "live_bytes_at_start": self.live_bytes, "peak_live_bytes": self.live_bytes,
-                "in_forward_backward": True}
+                "in_forward_backward": True, "peak_full_size_grad_bytes": 0}
 
     def on_optimizer_step_begin(self, optimizer, args, kwargs):
         if self.optimizer_depth == 0 and self.current is not None:
+            self.sample_full_size_grads()
             # NOTE: the forward-backward peak ends where the optimizer starts: on step 1 AdamW allocates its state.
             self.current["peak_live_bytes_above_start"] = self.current["peak_live_bytes"] - self.current["live_bytes_at_start"]
             self.current["in_forward_backward"] = False
@@ -191,6 +204,7 @@ class StepMeter:
             step = self.current
             self.steps.append({"step": step["step"], "collectives": dict(step["collectives"]),
                                "peak_live_bytes_above_start": step.get("peak_live_bytes_above_start", 0),
+                               "peak_full_size_grad_bytes": step["peak_full_size_grad_bytes"],
                                **({"calls": step["calls"]} if "calls" in step else {})})
             self.current = None
             self.write()
@@ -205,6 +219,51 @@ class StepMeter:
         counts["calls"] += 1
         counts["buffer_bytes"] += buffer_bytes
         counts["sent_bytes"] += bytes_sent(kind, buffer_bytes, group_size)
+
+    # Full-size gradients
+
+    def track_grad_holders(self, module):
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            self.grad_holders += [weakref.ref(p) for group in groups if group is not None for p in group.fsdp_params]
+        # NOTE: FSDP's parameters are DTensors here (a global forward pre-hook runs before FSDP's own gathers them).
+        self.grad_holders += [weakref.ref(p) for p in module.parameters(recurse=False) if not isinstance(p, DTensor)]
+
+    def sample_full_size_grads(self):
+        if self.current is None:
+            return
+        grads = {}
+        for reference in self.grad_holders:
+            holder = reference()
+            if holder is None:
+                continue
+            if type(holder).__name__ == "FSDPParam":
+                unsharded = getattr(holder, "_unsharded_param", None)
+                candidates = [holder.unsharded_accumulated_grad, unsharded.grad if unsharded is not None else None]
+            else:
+                candidates = [holder.grad]
+            for grad in candidates:
+                if grad is not None:
+                    local = grad.to_local() if hasattr(grad, "to_local") else grad
+                    grads[id(grad)] = local.numel() * local.element_size()
+        self.current["peak_full_size_grad_bytes"] = max(self.current["peak_full_size_grad_bytes"], sum(grads.values()))
+
+    def patch_fsdp_post_backward(self):
+        """Sample the full-size gradients when an FSDP group starts its post-backward, the one place they leave."""
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        original_post_backward = FSDPParamGroup.post_backward
+        meter = self
+
+        def post_backward(group, *args, **kwargs):
+            meter.sample_full_size_grads()
+            return original_post_backward(group, *args, **kwargs)
+
+        FSDPParamGroup.post_backward = post_backward
 
     # Live tensor bytes
 
