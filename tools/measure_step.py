@@ -250,7 +250,8 @@ class StepMeter:
                 if grad is not None:
                     local = grad.to_local() if hasattr(grad, "to_local") else grad
                     grads[id(grad)] = local.numel() * local.element_size()
-        self.current["peak_full_size_grad_bytes"] = max(self.current["peak_full_size_grad_bytes"], sum(grads.values()))
+        peak = self.current["peak_full_size_grad_bytes"]
+        self.current["peak_full_size_grad_bytes"] = max(peak, sum(grads.values()))
 
     def patch_fsdp_post_backward(self):
         """Sample the full-size gradients when an FSDP group starts its post-backward, the one place they leave."""
