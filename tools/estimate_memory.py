@@ -572,6 +572,10 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     layer_groups = sorted((g for g in groups.values() if g.layer is not None), key=lambda g: g.layer)
     other_groups = [g for g in groups.values() if g.layer is None]
     kept_gathered = sum(g.full_bytes for g in groups.values() if fsdp and not g.reshard_after_forward)
+    if fsdp and layout.pp > 1 and "root" in groups:
+        # NOTE: chapter 08's backwards are not FSDP's last of the step: the root group's fp32 reduce-scatter input
+        # stays until the next backward's first reduction (FSDP frees it at the step's last backward only).
+        kept_gathered += 4 * groups["root"].padded_numel
 
     def sharded_grad(group):
         if not fsdp:
