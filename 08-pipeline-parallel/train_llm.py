@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, Subset
@@ -221,9 +222,9 @@ def main():
                 tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
                 tokens_since_log, time_of_last_log = 0, time.perf_counter()
                 times = timer.read_ms()
-                # NOTE: the forward (with the loss) and backward spans lie inside the pipeline span: the rest of it,
-                # this rank waited for its neighbours (the bubble) or for the point-to-point transfers.
-                times["idle"] = times.pop("pipeline") - times["forward"] - times["backward"]
+                # NOTE: the forward (with the loss), backward and gradient-reduction spans lie inside the pipeline span:
+                # the rest of it, this rank waited for its neighbours (the bubble) or for the point-to-point transfers.
+                times["idle"] = times.pop("pipeline") - times["forward"] - times["backward"] - times["reduce"]
                 pipeline_stats = gather_pipeline_stats(recorder, timer, rank, pp_mesh.get_local_rank(), dp_rank)
                 record = {
                     "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
@@ -993,10 +994,21 @@ class RecordedPipelineStage(PipelineStage):
         with self.recorder.computation("backward", self.stage_index, bwd_chunk_id):
             return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        # NOTE: PipelineStage would turn FSDP's gradient sync off until the step's end: the stage's whole gradients
+        # unsharded in fp32 all step. Reduce-scatter each layer's in each backward instead, as chapter 04 does.
+        self.submod.set_is_last_backward(False)
+        self.submod.set_reshard_after_backward(self.group_size == 1)
+        return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
+
+    def perform_reduce_grad(self, grad_scale_factor):
+        with self.recorder.computation("reduce", self.stage_index, None):
+            return super().perform_reduce_grad(grad_scale_factor)
+
 
 class PipelineRecorder:
-    """What this rank's stages compute in a step: when each micro-batch's forward, loss and backward ran, and the
-    activations each micro-batch keeps from its forward to its backward.
+    """What this rank's stages compute in a step: when each micro-batch's forward, loss and backward ran and the step's
+    last gradient reduction (reduce), and the activations each micro-batch keeps from its forward to its backward.
 
     NOTE: the time a rank spends in the schedule outside these computations, it waits (for a neighbour's activations or
     gradients, or the transfers): the pipeline's bubble, measured. The activations are the tensors autograd saves for
@@ -1021,7 +1033,7 @@ class PipelineRecorder:
                 storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
             return tensor
 
-        with self.timer("backward" if kind == "backward" else "forward"):
+        with self.timer("forward" if kind == "loss" else kind):
             with torch.autograd.graph.saved_tensors_hooks(count_saved_tensor, lambda tensor: tensor):
                 yield
         _, start, end = self.timer.spans[-1]
@@ -1029,7 +1041,7 @@ class PipelineRecorder:
         key = (stage_index, microbatch)
         if kind == "backward":
             self.held_bytes -= self.saved_bytes.pop(key, 0)
-        else:
+        elif kind != "reduce":
             self.saved_bytes[key] = self.saved_bytes.get(key, 0) + sum(storages.values())
             self.held_bytes += sum(storages.values())
             if self.held_bytes > self.peak_bytes:
@@ -1084,7 +1096,9 @@ def gather_pipeline_stats(recorder, timer, rank, pp_rank, dp_rank):
               for kind, stage, microbatch, start, end in recorder.events]
     stats = {"rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "stages": sorted({stage for _, stage, *_ in events}),
              "pipeline_ms": sum(milliseconds(end) - milliseconds(start) for start, end in pipeline_spans),
-             "busy_ms": sum(end - start for *_, start, end in events), "peak_activations_mb": recorder.peak_bytes / 1e6,
+             "busy_ms": sum(end - start for kind, *_, start, end in events if kind != "reduce"),
+             "reduce_ms": sum(end - start for kind, *_, start, end in events if kind == "reduce"),
+             "peak_activations_mb": recorder.peak_bytes / 1e6,
              "peak_microbatches": recorder.peak_microbatches, "events": events}
     all_stats = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(stats, all_stats, dst=0)
@@ -1101,9 +1115,10 @@ def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
     """
     first_pipeline = [stats for stats in all_stats if stats["dp_rank"] == 0]
     pipeline_ms = max(stats["pipeline_ms"] for stats in first_pipeline)
-    idle_fractions = [1 - stats["busy_ms"] / pipeline_ms for stats in first_pipeline]
+    idle_fractions = [1 - (stats["busy_ms"] + stats["reduce_ms"]) / pipeline_ms for stats in first_pipeline]
     LOGGER.info(f"pipeline {args.pp_schedule}, {num_microbatches} micro-batches, {pipeline_ms:.0f} ms: " + "; ".join(
-        f"stages {stats['stages']} busy {stats['busy_ms']:.0f} ms, idle {pipeline_ms - stats['busy_ms']:.0f} ms "
+        f"stages {stats['stages']} busy {stats['busy_ms']:.0f} ms, reduce {stats['reduce_ms']:.0f} ms, idle "
+        f"{pipeline_ms - stats['busy_ms'] - stats['reduce_ms']:.0f} ms "
         f"({idle:.0%}), peak activations {stats['peak_activations_mb']:.1f} MB (micro-batches in flight: "
         f"{stats['peak_microbatches']})" for stats, idle in zip(first_pipeline, idle_fractions)))
     pipeline_file.write(json.dumps({"step": step, "schedule": args.pp_schedule, "pp": args.pp,

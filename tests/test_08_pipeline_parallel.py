@@ -16,7 +16,11 @@ import sys
 import pytest
 
 from helpers import (CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
-                     max_difference, read_losses, read_metrics, run, train)
+                     max_difference, read_losses, read_metrics, run, torchrun, train)
+
+sys.path.insert(0, str(REPO / "tools"))
+import estimate_memory  # noqa: E402
+from measure_step import read_measurements  # noqa: E402
 
 README = REPO / CHAPTERS["08"] / "README.md"
 STEPS, HALF = 6, 3
@@ -135,8 +139,9 @@ def test_one_stage_alone_has_another_gradient_norm():
 
 
 def microbatch_order(record, pp_rank):
-    """The (kind, stage, micro-batch) sequence a rank of the first pipeline computed, in time order; the loss is
-    part of its micro-batch's forward."""
+    """The (kind, stage, micro-batch) sequence a rank of the first pipeline computed, in time order (R: the
+    gradient reduction after a stage's last backward, micro-batch None); the loss is part of its micro-batch's
+    forward."""
     stats = next(stats for stats in record["ranks"] if stats["pp_rank"] == pp_rank and stats["dp_rank"] == 0)
     return [(kind[0].upper(), stage, microbatch) for kind, stage, microbatch, _, _ in stats["events"]
             if kind != "loss"]
@@ -145,7 +150,7 @@ def microbatch_order(record, pp_rank):
 def test_each_schedule_runs_the_micro_batches_in_its_order(env, runs):
     gpipe, one_f_one_b = (pipeline_records(layout_run(runs, env, case)[1])[-1] for case in ["pp2-gpipe", "pp2-1f1b"])
     forwards = [("F", None, i) for i in range(4)]
-    backwards = [("B", None, i) for i in range(4)]
+    backwards = [("B", None, i) for i in range(4)] + [("R", None, None)]
 
     def on_stage(order, stage):
         return [(kind, stage, microbatch) for kind, _, microbatch in order]
@@ -155,16 +160,25 @@ def test_each_schedule_runs_the_micro_batches_in_its_order(env, runs):
     assert microbatch_order(gpipe, 1) == on_stage(forwards + backwards, 1)
     # 1F1B: stage 0 runs p - 0 = 2 forwards ahead, then alternates; the last stage alternates from the start.
     assert microbatch_order(one_f_one_b, 0) == on_stage(
-        [forwards[0], forwards[1], backwards[0], forwards[2], backwards[1], forwards[3], backwards[2], backwards[3]], 0)
+        [forwards[0], forwards[1], backwards[0], forwards[2], backwards[1], forwards[3], *backwards[2:]], 0)
     assert microbatch_order(one_f_one_b, 1) == on_stage(
-        [item for pair in zip(forwards, backwards) for item in pair], 1)
+        [item for pair in zip(forwards, backwards) for item in pair] + backwards[4:], 1)
+    # The reduction is timed apart: the idle time is the schedule's span less the computations and the reduction.
+    for record in (gpipe, one_f_one_b):
+        for stats in record["ranks"]:
+            reduce_ms = sum(end - start for kind, *_, start, end in stats["events"] if kind == "reduce")
+            assert stats["reduce_ms"] == pytest.approx(reduce_ms) and reduce_ms > 0
+            assert stats["busy_ms"] + reduce_ms == pytest.approx(sum(end - start for *_, start, end in stats["events"]))
     # Interleaved: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3; each micro-batch goes 0 -> 1 -> 2 -> 3.
     interleaved = pipeline_records(layout_run(runs, env, "pp2-interleaved-1f1b")[1])[-1]
     for pp_rank, stages in [(0, {0, 2}), (1, {1, 3})]:
         order = microbatch_order(interleaved, pp_rank)
         assert {stage for _, stage, _ in order} == stages
-        # Two micro-steps of 2 micro-batches: each (stage, micro-batch) runs forward then backward, twice.
-        assert sorted(order) == sorted([(kind, stage, mb) for kind in "FB" for stage in stages for mb in (0, 1)] * 2)
+        # Two micro-steps of 2 micro-batches: each (stage, micro-batch) runs forward then backward, twice, and
+        # each stage reduces its gradients once per micro-step.
+        assert sorted(order, key=str) == sorted(
+            [(kind, stage, mb) for kind in "FB" for stage in stages for mb in (0, 1)] * 2
+            + [("R", stage, None) for stage in stages] * 2, key=str)
 
 
 def test_1f1b_holds_the_activations_of_fewer_micro_batches_than_gpipe(env, runs):
@@ -200,6 +214,29 @@ def test_tokens_per_second_counts_each_token_once(env, runs, case):
     print(f"\n{case}: tokens/s x timed seconds / {tokens_per_step} tokens per step = "
           + ", ".join(f"{fraction:.2f}" for fraction in fractions))
     assert 0.5 < max(fractions) <= 1.0 + 1e-9
+
+
+@pytest.mark.parametrize("pp", ["1", "2"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_full_size_gradients_are_reduce_scattered_in_every_backward_as_estimated(env, tmp_path, pp, dtype):
+    """PipelineStage alone keeps a stage's whole gradients unsharded, in fp32, from the first micro-batch's backward
+    to the step's end (25.2 MB at --pp 1 in bf16 here, 4 x the model's 5.2M parameters and a bf16 group); the
+    chapter reduce-scatters each FSDP group's in every backward, as chapter 04 does. The bytes of full-size gradients
+    alive at the step's peak, measured by tools/measure_step.py, are tools/estimate_memory.py's, to the byte."""
+    out = tmp_path / "measured"
+    train("08", env, tmp_path, "--max-steps", "1", "--wandb-mode", "disabled", "--pp", pp, "--dtype", dtype,
+          launcher=[*torchrun(2), REPO / "tools" / "measure_step.py", "--out", out])
+    config = estimate_memory.load_config(TINY_MODEL)
+    lines = []
+    for rank, measurement in sorted(read_measurements(out).items()):
+        # NOTE: FAST_ARGS' --batch-size 4 makes 4 micro-batches of one sequence.
+        predicted = estimate_memory.estimate_step(config, estimate_memory.Layout(
+            pp=int(pp), dp=2 // int(pp), fsdp=True, dtype=dtype, rank=rank, batch_size=1, grad_accum=4,
+            seq_length=SEQ_LENGTH))["full_size_grads_peak_bytes"]
+        measured = [step["peak_full_size_grad_bytes"] for step in measurement["steps"]]
+        lines.append(f"--pp {pp} {dtype} rank {rank}: measured {measured}, estimated {predicted:,} bytes")
+        assert measured == [predicted]
+    print("\n" + "\n".join(lines))
 
 
 RESUMES = {

@@ -400,6 +400,7 @@ def estimate_step(config, layout):
         "cpu_bytes": state["cpu_bytes"],
         "activations_bytes": activations["saved_bytes"],
         "gathered_weights_bytes": gathered_weights(groups, layout),
+        "full_size_grads_peak_bytes": full_size_gradients(groups, state, layout),
         "transient_bytes": peak["transient_bytes"],
         "step_peak_above_start_bytes": peak["above_start_bytes"],
         "peak_bytes": peak["peak_bytes"],
@@ -536,6 +537,9 @@ def fsdp_groups(parameters, dims, layout, coords):
     for name in ("root", "norm and head"):
         if name in groups:
             groups[name].reshard_after_forward = False
+    # NOTE: chapter 08 keeps a stage's layers gathered from their first forward to the end of the step with pp > 1.
+    for group in groups.values():
+        group.reshard_after_forward = group.reshard_after_forward and layout.pp == 1
     return groups
 
 
@@ -544,6 +548,8 @@ def gathered_weights(groups, layout):
     the groups kept gathered from forward to backward (chapter 04's root group). Zero without FSDP."""
     if not layout.fsdp:
         return 0
+    if layout.pp > 1:
+        return sum(g.full_bytes for g in groups.values())
     layers = sorted((g.full_bytes for g in groups.values() if g.layer is not None), reverse=True)
     kept = sum(g.full_bytes for g in groups.values() if g.layer is None and not g.reshard_after_forward)
     return sum(layers[:2]) + kept
@@ -566,6 +572,10 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     layer_groups = sorted((g for g in groups.values() if g.layer is not None), key=lambda g: g.layer)
     other_groups = [g for g in groups.values() if g.layer is None]
     kept_gathered = sum(g.full_bytes for g in groups.values() if fsdp and not g.reshard_after_forward)
+    if fsdp and layout.pp > 1 and "root" in groups:
+        # NOTE: chapter 08's backwards are not FSDP's last of the step: the root group's fp32 reduce-scatter input
+        # stays until the next backward's first reduction (FSDP frees it at the step's last backward only).
+        kept_gathered += 4 * groups["root"].padded_numel
 
     def sharded_grad(group):
         if not fsdp:
@@ -594,6 +604,7 @@ def simulate_step(state, activations, groups, dims, layout, widths):
             prefetched = layer_groups[below - 1] if below > 0 else embedding_group
             gathered = group.full_bytes + (prefetched.full_bytes if prefetched else 0)
             gathered += sum(g.full_bytes for g in other_groups if not g.reshard_after_forward and g.name == "root")
+            gathered = kept_gathered if layout.pp > 1 else gathered
         # In the middle of the layer's backward: its activations, the gradients flowing through it, the first
         # weight gradient (the MLP's down projection).
         middle = live_below + own + flowing + down_grad + gathered + grads_done
@@ -615,7 +626,7 @@ def simulate_step(state, activations, groups, dims, layout, widths):
         last = groups.get("embedding") or groups.get("root")
         if last is not None:
             others = sum(sharded_grad(g) for g in groups.values() if g is not last)
-            phases["end of backward"] = (others + last.grad_full_bytes
+            phases["end of backward"] = (others + last.grad_full_bytes + (kept_gathered if layout.pp > 1 else 0)
                                          + 4 * last.padded_numel * (1 + 1 / layout.fsdp_shards) + into_embedding)
     elif not grads_exist_at_start:
         phases["end of backward"] = state["grads_bytes"] + into_embedding
@@ -625,6 +636,26 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     transient = above_start - saved
     return {"above_start_bytes": round(above_start), "transient_bytes": round(transient),
             "peak_bytes": round(at_start + above_start), "phase": phase}
+
+
+def full_size_gradients(groups, state, layout):
+    """The most bytes of full-size (unsharded) gradients alive at once in a step: tools/measure_step.py's
+    peak_full_size_grad_bytes.
+
+    NOTE: with FSDP a group's gradients are whole from the backward that computes them until the group's post-backward
+    reduce-scatters them, in every micro-batch (chapter 08 included). The root group's wait for the embedding's, the
+    last to come: the head's and final norm's stay whole while each layer's come and go. Without FSDP every gradient
+    is whole until the optimizer step; under TP they are DTensors, which the meter does not count.
+    """
+    if not layout.fsdp:
+        return state["grads_bytes"] if layout.tp == 1 else 0
+    layers = [g.grad_full_bytes for g in groups.values() if g.layer is not None]
+    root = groups.get("root")
+    if root is None:  # chapter 05's groups: each reduce-scattered as soon as its own backward is done
+        return max(layers + [g.grad_full_bytes for g in groups.values()])
+    coords, width = rank_coordinates(layout), byte_widths(layout)["grads"]
+    embedding = sum(width * numel(tp_local_shape(p, layout, coords)[1]) for p in root.params if p.role == "embedding")
+    return root.grad_full_bytes - embedding + max(layers + [embedding])
 
 
 def head_gradients(other_groups, layout, widths):
@@ -671,8 +702,9 @@ def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes
         shard_group = layout.fsdp_shards
         for group in groups.values():
             gathered = widths["weights"] * group.padded_numel
-            gathers = 1 + group.reshard_after_forward
-            add("dp (FSDP)", shard_group, "all_gather", gathered, calls=gathers * micro_batches)
+            # NOTE: with pp > 1 chapter 08 gathers each group once per step and keeps it (reshard_after_backward off).
+            gathers = (1 + group.reshard_after_forward) * micro_batches if layout.pp == 1 else 1
+            add("dp (FSDP)", shard_group, "all_gather", gathered, calls=gathers)
             add("dp (FSDP)", shard_group, "reduce_scatter", 4 * group.padded_numel, calls=micro_batches)
             add("dp replicas (HSDP)", layout.dp_replicate, "all_reduce", 4 * group.padded_numel // shard_group,
                 calls=micro_batches)
@@ -760,6 +792,7 @@ def print_estimate(estimate, bandwidths):
             ("optimizer state (AdamW)", estimate["optimizer_bytes"]),
             ("activations (saved for backward)", estimate["activations_bytes"]),
             ("FSDP's gathered weights (2 layers + groups kept whole)", estimate["gathered_weights_bytes"]),
+            ("full-size gradients at their peak (part of the transient)", estimate["full_size_grads_peak_bytes"]),
             (f"transient at the peak ({estimate['peak_phase']})", estimate["transient_bytes"]),
             ("peak", estimate["peak_bytes"])]
     if estimate["cpu_bytes"]:

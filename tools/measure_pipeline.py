@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "08-pipeline-parallel" / "train_llm.py"
 FIGURE = REPO / "08-pipeline-parallel" / "pipeline-schedules.png"
-COLORS = {"forward": "#4c72b0", "loss": "#8172b2", "backward": "#dd8452"}
+COLORS = {"forward": "#4c72b0", "loss": "#8172b2", "backward": "#dd8452", "reduce": "#55a868"}
 
 
 def main():
@@ -86,8 +86,10 @@ def measure(schedule, microbatches, args, scratch):
     for pp_rank in range(args.pp):
         per_step = [next(stats for stats in record["ranks"] if stats["pp_rank"] == pp_rank) for record in measured]
         busy = sum(stats["busy_ms"] for stats in per_step) / len(per_step)
-        stages[pp_rank] = {"stages": per_step[-1]["stages"], "busy_ms": busy, "idle_ms": step_ms - busy,
-                           "idle_fraction": 1 - busy / step_ms, "peak_microbatches": per_step[-1]["peak_microbatches"],
+        # NOTE: FSDP's gradient reduction after the last backward is neither the bubble nor the schedule's compute.
+        reduce = sum(stats["reduce_ms"] for stats in per_step) / len(per_step)
+        stages[pp_rank] = {"stages": per_step[-1]["stages"], "busy_ms": busy, "reduce_ms": reduce,
+                           "idle_ms": step_ms - busy - reduce, "idle_fraction": 1 - (busy + reduce) / step_ms, "peak_microbatches": per_step[-1]["peak_microbatches"],
                            "peak_activations_mb": per_step[-1]["peak_activations_mb"]}
     timeline = {pp_rank: next(stats for stats in records[-1]["ranks"] if stats["pp_rank"] == pp_rank)["events"]
                 for pp_rank in range(args.pp)}
@@ -140,7 +142,7 @@ def draw_timelines(timelines, microbatches, path):
             for kind, stage, microbatch, start, end in events:
                 axis.broken_barh([(start, end - start)], (pp_rank - 0.4, 0.8), facecolors=COLORS[kind],
                                  edgecolors="white", linewidth=0.5)
-                if kind != "loss":
+                if kind in ("forward", "backward"):
                     label = f"{microbatch}" if not several_stages else f"{microbatch}\n(s{stage})"
                     axis.text((start + end) / 2, pp_rank, label, ha="center", va="center", fontsize=7, color="white")
         axis.set_yticks(list(timeline), [f"rank {rank}" for rank in timeline])

@@ -17,6 +17,12 @@ Everything after the script's path goes to the script. Each rank writes OUT/rank
   backward, minus what was alive when the step's forward began: activations, the gathered FSDP layers and every
   temporary buffer (the CPU has no allocator statistics; this counts the storages of every tensor an operator
   returns).
+* "peak_full_size_grad_bytes": per step, the most bytes of full-size (unsharded) gradients alive at once: FSDP's
+  unsharded gradients (an FSDPParam's unsharded_accumulated_grad and its _unsharded_param.grad, before they are
+  reduce-scattered into the shard's gradient), plus the .grad of every parameter that is a plain tensor (DDP's, one
+  GPU's); the shards' gradients and DTensor parameters' are left out. Gradients arrive in autograd and leave only in
+  an FSDP group's post_backward() (or zero_grad()), so it is sampled exactly at the start of every post_backward()
+  and of the optimizer step, each gradient counted once.
 
 * "host_syncs": per step, {"OPERATOR at FILE:LINE": calls} for every operator that makes the host wait for the
   device: aten._local_scalar_dense (.item(), bool(tensor), `if tensor:`), aten.is_nonzero, aten.equal, aten.nonzero,
@@ -153,6 +159,8 @@ class StepMeter:
         self.live_bytes = 0
         self.mode = None
         self.hooks = []
+        self.modules_seen = weakref.WeakSet()
+        self.grad_holders = []  # weak references to FSDPParams and plain parameters, whose gradients are full-size
 
     def start(self):
         import torch
@@ -164,6 +172,7 @@ class StepMeter:
                       register_optimizer_step_post_hook(self.on_optimizer_step_end)]
         self.patch_storage_resize(torch)
         self.patch_tolist(torch)
+        self.patch_fsdp_post_backward()
         self.mode = make_dispatch_mode(self)
         self.mode.__enter__()
         atexit.register(self.write)
@@ -179,14 +188,19 @@ class StepMeter:
     # Step boundaries
 
     def on_forward(self, module, inputs):
+        if module not in self.modules_seen:
+            self.modules_seen.add(module)
+            self.track_grad_holders(module)
         if self.current is None and self.optimizer_depth == 0:
             self.current = {"step": len(self.steps) + 1, "collectives": defaultdict(
                 lambda: {"calls": 0, "buffer_bytes": 0, "sent_bytes": 0.0}),
                 "live_bytes_at_start": self.live_bytes, "peak_live_bytes": self.live_bytes,
-                "in_forward_backward": True, "host_syncs": defaultdict(int), "matmuls": defaultdict(int)}
+                "in_forward_backward": True, "host_syncs": defaultdict(int), "matmuls": defaultdict(int),
+                "peak_full_size_grad_bytes": 0}
 
     def on_optimizer_step_begin(self, optimizer, args, kwargs):
         if self.optimizer_depth == 0 and self.current is not None:
+            self.sample_full_size_grads()
             # NOTE: the forward-backward peak ends where the optimizer starts: on step 1 AdamW allocates its state.
             self.current["peak_live_bytes_above_start"] = self.current["peak_live_bytes"] - self.current["live_bytes_at_start"]
             self.current["in_forward_backward"] = False
@@ -204,6 +218,7 @@ class StepMeter:
             self.steps.append({"step": step["step"], "collectives": dict(step["collectives"]),
                                "peak_live_bytes_above_start": step.get("peak_live_bytes_above_start", 0),
                                "host_syncs": dict(step["host_syncs"]), "matmuls": dict(step["matmuls"]),
+                               "peak_full_size_grad_bytes": step["peak_full_size_grad_bytes"],
                                **({"calls": step["calls"]} if "calls" in step else {})})
             self.current = None
             self.write()
@@ -241,6 +256,52 @@ class StepMeter:
             return original_tolist(tensor)
 
         torch.Tensor.tolist = tolist
+
+    # Full-size gradients
+
+    def track_grad_holders(self, module):
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None) or [getattr(state, "_fsdp_param_group", None)]
+            self.grad_holders += [weakref.ref(p) for group in groups if group is not None for p in group.fsdp_params]
+        # NOTE: FSDP's parameters are DTensors here (a global forward pre-hook runs before FSDP's own gathers them).
+        self.grad_holders += [weakref.ref(p) for p in module.parameters(recurse=False) if not isinstance(p, DTensor)]
+
+    def sample_full_size_grads(self):
+        if self.current is None:
+            return
+        grads = {}
+        for reference in self.grad_holders:
+            holder = reference()
+            if holder is None:
+                continue
+            if type(holder).__name__ == "FSDPParam":
+                unsharded = getattr(holder, "_unsharded_param", None)
+                candidates = [holder.unsharded_accumulated_grad, unsharded.grad if unsharded is not None else None]
+            else:
+                candidates = [holder.grad]
+            for grad in candidates:
+                if grad is not None:
+                    local = grad.to_local() if hasattr(grad, "to_local") else grad
+                    grads[id(grad)] = local.numel() * local.element_size()
+        peak = self.current["peak_full_size_grad_bytes"]
+        self.current["peak_full_size_grad_bytes"] = max(peak, sum(grads.values()))
+
+    def patch_fsdp_post_backward(self):
+        """Sample the full-size gradients when an FSDP group starts its post-backward, the one place they leave."""
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        original_post_backward = FSDPParamGroup.post_backward
+        meter = self
+
+        def post_backward(group, *args, **kwargs):
+            meter.sample_full_size_grads()
+            return original_post_backward(group, *args, **kwargs)
+
+        FSDPParamGroup.post_backward = post_backward
 
     # Live tensor bytes
 
