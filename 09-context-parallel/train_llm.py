@@ -43,7 +43,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.experimental._attention import _cp_options, _enable_context_parallel_dispatcher
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -496,6 +495,9 @@ def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
     AttentionInterface.register(name, functools.partial(forms[cp_attention], cp_mesh=cp_mesh,
                                                         load_balance=load_balance))
     if cp_attention == "pytorch":
+        # NOTE: private names, imported here only: should a torch release move them, only --cp-attention pytorch fails.
+        from torch.distributed.tensor.experimental._attention import _cp_options, _enable_context_parallel_dispatcher
+
         # NOTE: PyTorch's ring runs where scaled_dot_product_attention meets DTensors sharded along the sequence:
         # the dispatcher routes the fused kernels' forward and backward to it. Its load balancing is the same
         # layout as ours (chunks i and 2N-1-i: _HeadTailLoadBalancer), a global option of its own.
