@@ -299,6 +299,8 @@ def test_the_benchmark_times_both_loops_in_fresh_processes_alternately(env, tmp_
         assert "started by torchrun" in chapter_log and "saved" not in chapter_log
         bare_log = (log_dir / f"04-fully-sharded-data-parallel-bare-{repeat}.log").read_text()
         assert json.loads(bare_log.strip().splitlines()[-1])["step_seconds"] > 0
+        # NOTE: like with like: chapter 04's precision is FSDP's MixedPrecisionPolicy, not autocast.
+        assert "bare loop: torch.float32 via fsdp" in bare_log
 
 
 @CARD_TIMEOUT
