@@ -553,8 +553,11 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
                 model = untied_model(args.model, scratch_dir)
                 if model != args.model:
                     reference, note = None, "an untied copy of the model (pipeline stages cannot share one weight)"
-            plan.append(training_run(chapter, chapter, [], model=model, kind="chapter", reference=reference,
-                                     timeout=180, min_records=2, note=note))
+            run = training_run(chapter, chapter, [], model=model, kind="chapter", reference=reference, timeout=180,
+                               min_records=2, note=note)
+            # NOTE: an untied copy has more FLOPs per token than the probe counted: its row gives its own MFU only.
+            run.main_model = model == args.model
+            plan.append(run)
 
     # 3. Checks: LOCAL_RANK=1 with one visible GPU (every chapter but 01), on the tiny model.
     if "checks" in parts:
