@@ -20,7 +20,9 @@ card.json and card.md are rewritten after every run, so a card cut short keeps w
    the plain fine-tune (whose losses must equal the seeded run's): --activation-checkpointing, --compile, and
    --attn-implementation flash_attention_2 when flash-attn imports.
 5. The step-overhead benchmark (tools/benchmark_step_overhead.py) for chapters 01 and 04: the bare loop and the
-   chapter in fresh processes, alternated 3 times; medians and their ratio (target: within 5%).
+   chapter in fresh processes, alternated 3 times; medians and their ratio (target: within 5%). And chapter 09's
+   ring attention block, forward and backward, against SDPA's flash kernel on one GPU (TFLOP/s), since at world
+   size 1 chapters 08 and 09 exercise no pipeline and no ring (their rows say so).
 6. The options that step AdamW on the CPU, in short runs from the same folder (the seeded init of --cpu-offload
    would draw other weights, on the CPU): --cpu-offload; the 405B command's features together; chapter 04 with
    --cpu-offload; and, when flash-attn imports, the syncs per layer of flash_attention_2 at batch size 1 (issue 12
@@ -1103,15 +1105,17 @@ def render_markdown(data):
                          f"{', '.join(f'{ms:.1f}' for ms in result['chapter_step_ms'])} |")
     for chapter, result in data.get("ring_block", {}).items():
         lines += ["", f"{chapter}'s ring attention block on one {result['device']} ({result['dtype']}, "
-                  f"{result['heads']} heads, {result['kv_heads']} key/value heads of {result['head_dim']}; "
-                  "RingAttention on a ring of one rank) against SDPA's flash kernel on the same shapes, causal "
-                  "TFLOP/s (medians):", "",
-                  "| tokens | ring block fwd / bwd ms | TFLOP/s | flash fwd / bwd ms | TFLOP/s |", "|" + " --- |" * 5]
+                  f"{result['heads']} heads, {result['kv_heads']} key/value heads of {result['head_dim']}; its "
+                  "attention_block and attention_block_backward, as RingAttention calls them) against SDPA's flash "
+                  "kernel on the same shapes, causal TFLOP/s (medians):", "",
+                  "| tokens | ring block fwd / bwd ms | TFLOP/s | flash fwd / bwd ms | TFLOP/s | outputs differ by |",
+                  "|" + " --- |" * 6]
         for row in result["rows"]:
             ring, flash = row["ring_block"], row["sdpa_flash"]
             lines.append(f"| {row['tokens']} | " + " | ".join(
                 f"{part['forward_ms']:.2f} / {part['backward_ms']:.2f} | "
-                f"{part['forward_tflops']:.3g} / {part['backward_tflops']:.3g}" for part in (ring, flash)) + " |")
+                f"{part['forward_tflops']:.3g} / {part['backward_tflops']:.3g}" for part in (ring, flash))
+                + f" | {row['max_output_difference']:.1e} |")
     checks = [run for run in data["runs"] if run["kind"] == "check"]
     flash_unmeasured = data["mode"] == "gpu" and environment.get("model") and not environment.get("flash_attn") \
         and OPTIONS_CHAPTER in data["chapter_args"]
