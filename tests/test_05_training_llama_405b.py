@@ -359,7 +359,7 @@ def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers
     packed_checks, host_reads = [], []
     is_packed_sequence, tensor_bool = flash_utils._is_packed_sequence, torch.Tensor.__bool__
     monkeypatch.setattr(flash_utils, "_is_packed_sequence",
-                        lambda *args: packed_checks.append(args) or is_packed_sequence(*args))
+                        lambda *args, **kwargs: packed_checks.append(args) or is_packed_sequence(*args, **kwargs))
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda tensor: host_reads.append(1) or tensor_bool(tensor))
     chapter = load_script("05")
     config = AutoConfig.from_pretrained(TINY_MODEL)
