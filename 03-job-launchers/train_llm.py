@@ -671,9 +671,9 @@ def get_flops_per_token(model, config, seq_length):
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-# Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
-                   "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
+# Dense bf16 tensor-core peak, in FLOP/s: NVIDIA's data sheets (half their "with sparsity" figures; A10G: AWS's).
+PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
 
 def get_peak_flops(device, dtype):

@@ -43,7 +43,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.distributed.tensor.experimental._attention import _cp_options, _enable_context_parallel_dispatcher
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -522,6 +521,9 @@ def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
     AttentionInterface.register(name, functools.partial(forms[cp_attention], cp_mesh=cp_mesh,
                                                         load_balance=load_balance))
     if cp_attention == "pytorch":
+        # NOTE: private names, imported here only: should a torch release move them, only --cp-attention pytorch fails.
+        from torch.distributed.tensor.experimental._attention import _cp_options, _enable_context_parallel_dispatcher
+
         # NOTE: PyTorch's ring runs where scaled_dot_product_attention meets DTensors sharded along the sequence:
         # the dispatcher routes the fused kernels' forward and backward to it. Its load balancing is the same
         # layout as ours (chunks i and 2N-1-i: _HeadTailLoadBalancer), a global option of its own.
@@ -1086,9 +1088,9 @@ def get_flops_per_token(model, config, seq_length):
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-# Dense bf16 tensor-core peak of common data-center GPUs, in FLOP/s (vendor data sheets).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "A100": 312e12,
-                   "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
+# Dense bf16 tensor-core peak, in FLOP/s: NVIDIA's data sheets (half their "with sparsity" figures; A10G: AWS's).
+PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
 
 def get_peak_flops(device, dtype):

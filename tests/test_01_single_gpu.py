@@ -103,7 +103,8 @@ def test_flops_per_token_use_the_head_dim_of_the_config():
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA L4", 121e12), ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12),
-                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 80GB HBM3", 989e12)])
+                                        ("NVIDIA H100 NVL", 835e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                                        ("NVIDIA H200 NVL", 835e12), ("NVIDIA H200", 989e12)])
 def test_the_peak_flops_of_a_gpu_follow_its_whole_name(monkeypatch, name, peak):
     chapter = load_script("01")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)

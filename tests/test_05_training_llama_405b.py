@@ -321,13 +321,15 @@ def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers
     import transformers.modeling_flash_attention_utils as flash_utils
 
     fake = FakeFlashAttention()
+    process = flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func)
+    # NOTE: transformers 5.24 returns a pair of processing functions (plain, with a KV cache), 5.17 the plain one.
+    processes = (process, dict) if hasattr(flash_utils, "_process_with_kvcache_kwargs_fn") else process
     monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
-        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None),
-        (flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func), dict)))
+        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None), processes))
     packed_checks, host_reads = [], []
     is_packed_sequence, tensor_bool = flash_utils._is_packed_sequence, torch.Tensor.__bool__
     monkeypatch.setattr(flash_utils, "_is_packed_sequence",
-                        lambda *args: packed_checks.append(args) or is_packed_sequence(*args))
+                        lambda *args, **kwargs: packed_checks.append(args) or is_packed_sequence(*args, **kwargs))
     monkeypatch.setattr(torch.Tensor, "__bool__", lambda tensor: host_reads.append(1) or tensor_bool(tensor))
     chapter = load_script("05")
     config = AutoConfig.from_pretrained(TINY_MODEL)

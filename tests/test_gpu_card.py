@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run
+from helpers import REPO, load_script, run
 
 CARD = REPO / "tools" / "gpu_card.py"
 BENCHMARK = REPO / "tools" / "benchmark_step_overhead.py"
@@ -81,7 +81,10 @@ def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
         assert record["mfu"] is None and record["syncs"]["per_step"] is None
         assert len(record["losses"]) == card["settings"]["steps"] // card["settings"]["log_freq"]
         assert (out_dir / record["log"]).exists()
-        row = next(line for line in markdown.splitlines() if line.startswith(f"| {chapter} |  |"))
+        # NOTE: at world size 1 chapters 08 and 09 run no pipeline and no ring: their rows say so.
+        options = "(parallelism not exercised on 1 GPU)" if chapter in ("08-pipeline-parallel", "09-context-parallel") \
+            else ""
+        row = next(line for line in markdown.splitlines() if line.startswith(f"| {chapter} | {options} |"))
         assert f"| {record['tokens_per_second']:,.0f} | n/a | {record['fraction_of_ceiling']:.1%} |" in row
         if chapter == "01-single-gpu":
             assert row.endswith("| reference |")
@@ -90,6 +93,8 @@ def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
             assert record["loss_match"]["match"] and record["loss_match"]["max_difference"] <= 1e-4, record
             assert "✓" in row.split("|")[-2]
     assert "08-pipeline-parallel" not in CHAPTER_DIRS or "--pp 1" in markdown
+    ring_block = card["ring_block"]["09-context-parallel"]
+    assert [row["tokens"] for row in ring_block["rows"]] == [64, 256] and "ring attention block on one cpu" in markdown
 
 
 @CARD_TIMEOUT
@@ -294,6 +299,8 @@ def test_the_benchmark_times_both_loops_in_fresh_processes_alternately(env, tmp_
         assert "started by torchrun" in chapter_log and "saved" not in chapter_log
         bare_log = (log_dir / f"04-fully-sharded-data-parallel-bare-{repeat}.log").read_text()
         assert json.loads(bare_log.strip().splitlines()[-1])["step_seconds"] > 0
+        # NOTE: like with like: chapter 04's precision is FSDP's MixedPrecisionPolicy, not autocast.
+        assert "bare loop: torch.float32 via fsdp" in bare_log
 
 
 @CARD_TIMEOUT
@@ -366,3 +373,79 @@ def test_the_gpu_check_of_chapter_05_is_the_card(env, tmp_path):
         "error: no CUDA GPU here (torch.cuda.is_available() is False); use --cpu"
     card = json.loads((tmp_path / "check" / "card.json").read_text())
     assert card["mode"] == "gpu" and "--only 04,05" in card["command"]
+
+
+LAYOUT_CHAPTERS = dict.fromkeys(["06-tensor-parallel", "07-2d-parallel", "08-pipeline-parallel", "09-context-parallel"])
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4, 8])
+def test_the_cards_arguments_pass_each_chapters_own_layout_checks(nproc, tmp_path, monkeypatch):
+    """The card's commands on a machine of nproc GPUs, read by each chapter's own parser and layout checks: on 8
+    GPUs --pp 8 with 4 sequences (the card's batch) was refused by 1F1B; every degree above 1 is exercised."""
+    import torch
+    from transformers import AutoConfig
+
+    card_module = load_card_module()
+    monkeypatch.setattr("sys.argv", ["gpu_card.py", "--out", str(tmp_path / "card"), "--parts", "chapters"])
+    card = card_module.Card(tmp_path / "card", card_module.parse_args())
+    environment = {"gpus": ["NVIDIA H100 80GB HBM3"] * nproc, "pretrained_dir": str(tmp_path / "seeded")}
+    plan = card_module.make_plan(card, CHAPTER_DIRS, environment, tmp_path, {"chapters"})
+    degrees = {}
+    for item in plan:
+        command = item.command
+        assert item.chapter == "01-single-gpu" or command[command.index("--nproc-per-node") + 1] == str(nproc)
+        if item.chapter not in LAYOUT_CHAPTERS:
+            continue
+        script = next(index for index, part in enumerate(command) if part.endswith("train_llm.py"))
+        chapter = LAYOUT_CHAPTERS[item.chapter] = LAYOUT_CHAPTERS[item.chapter] or load_script(item.chapter[:2])
+        monkeypatch.setattr("sys.argv", command[script:])
+        args = chapter.parse_args()
+        config = AutoConfig.from_pretrained(args.model_name)
+        monkeypatch.setattr(chapter, "init_device_mesh", lambda *args, **kwargs: None, raising=False)
+        if item.chapter == "06-tensor-parallel":
+            chapter.check_tensor_parallel_degree(nproc, config, args.seq_length)
+            degrees[item.chapter] = nproc
+        elif item.chapter == "07-2d-parallel":
+            chapter.get_device_mesh(torch.device("cpu"), nproc, args.tp, args.dp_replicate)
+            chapter.check_tensor_parallel_degree(args.tp, config, args.seq_length)
+            degrees[item.chapter] = args.tp
+        elif item.chapter == "08-pipeline-parallel":
+            chapter.check_pipeline_layout(args, nproc, config)
+            degrees[item.chapter] = args.pp
+            # The 1F1B rule the old arguments broke: --pp 8 with 4 micro-batches.
+            monkeypatch.setattr("sys.argv", [*command[script:], "--pp", str(nproc)])
+            if nproc > args.batch_size:
+                with pytest.raises(SystemExit, match="1f1b needs at least one micro-batch per stage"):
+                    chapter.check_pipeline_layout(chapter.parse_args(), nproc, config)
+        elif item.chapter == "09-context-parallel":
+            chapter.get_device_mesh(torch.device("cpu"), nproc, args.cp)
+            chapter.check_context_parallel(args, config, torch.device("cuda"))
+            degrees[item.chapter] = args.cp
+        assert item.note == ("parallelism not exercised on 1 GPU" if nproc == 1 and item.chapter in
+                             ("08-pipeline-parallel", "09-context-parallel") else item.note)
+    assert degrees == {"06-tensor-parallel": nproc, "07-2d-parallel": nproc,
+                       "08-pipeline-parallel": min(nproc, 4), "09-context-parallel": nproc}
+
+
+def test_the_ring_block_timing_calls_chapter_09s_block_and_sdpa_on_the_same_shapes(tmp_path):
+    """The card's single-GPU timing of chapter 09's ring attention block against SDPA's flash kernel, on the CPU
+    with tiny shapes: the chapter's own block gives the flash kernel's output, and the card shows both timings."""
+    card_module = load_card_module()
+    settings = {"mode": "cpu", "output": str(tmp_path / "ring.json"), "heads": 4, "kv_heads": 2, "head_dim": 8,
+                "tokens": [16, 32], "repeats": 2}
+    result = card_module.time_ring_block(settings)
+    assert result["device"] == "cpu" and [row["tokens"] for row in result["rows"]] == [16, 32]
+    for row in result["rows"]:
+        assert row["max_output_difference"] <= 1e-5
+        flops = 4 * 4 * row["tokens"] ** 2 * 8 / 2
+        for name in ("ring_block", "sdpa_flash"):
+            timing = row[name]
+            assert timing["forward_tflops"] == pytest.approx(flops / timing["forward_ms"] / 1e9)
+            assert timing["backward_tflops"] == pytest.approx(2.5 * flops / timing["backward_ms"] / 1e9)
+    args = argparse.Namespace(cpu=True, budget_s=0, model=str(REPO / "data" / "tiny-llama"), seq_length=64,
+                              batch_size=4, steps=12, log_freq=4)
+    card = card_module.Card(tmp_path, args)
+    card.data["ring_block"]["09-context-parallel"] = result
+    markdown = card_module.render_markdown(card.data)
+    assert "09-context-parallel's ring attention block on one cpu (float32, 4 heads, 2 key/value heads of 8" in markdown
+    assert sum(line.startswith("| 16 |") or line.startswith("| 32 |") for line in markdown.splitlines()) == 2

@@ -9,8 +9,9 @@ model, batch and optimizer. This tool times both, each in a fresh process, alter
         -m data/llama-3.2-1b-shape --seq-length 2048 --batch-size 4   # on a GPU
 
 Arguments after `--` go to the chapter's script (and set the bare loop's model, batch, sequence length, dtype and
-attention). The bare loop is one process, like chapter 01; the chapter runs under torchrun with --nproc processes
-(chapter 01 as a plain process). Both measure `--steps` steps after as many warm-up steps, with one synchronization
+attention). The bare loop is one process, like chapter 01, in the dtype the chapter computes in and the same way:
+under autocast, or for an FSDP chapter with its fully_shard() groups and MixedPrecisionPolicy on a group of one
+process. The chapter runs under torchrun with --nproc processes (chapter 01 as a plain process). Both measure `--steps` steps after as many warm-up steps, with one synchronization
 at the end of the measured steps: the chapter's last log window, from its own tokens/s.
 """
 
@@ -46,6 +47,9 @@ def main():
         return
 
     options = vars(load_chapter_parser(args.chapter).parse_args(args.script_args))
+    # NOTE: like with like: the bare loop computes in bf16 as the chapter does, under autocast or FSDP's policy.
+    fsdp = "MixedPrecisionPolicy(" in (REPO_ROOT / args.chapter / "train_llm.py").read_text()
+    options["precision"] = "fsdp" if fsdp else "autocast"
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="benchmark-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     times = {"bare": [], "chapter": []}
@@ -140,6 +144,9 @@ def bare_step_seconds(options, warmup_steps, steps):
     with device:
         model = AutoModelForCausalLM.from_config(config, attn_implementation=options["attn_implementation"],
                                                  dtype=torch.float32)
+    if options["precision"] == "fsdp":
+        shard_like_the_chapter(model, dtype, device)
+    print(f"bare loop: {dtype} via {options['precision']}", file=sys.stderr)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     input_ids = torch.randint(0, config.vocab_size, (options["batch_size"], options["seq_length"]), device=device)
     for step in range(warmup_steps + steps):
@@ -147,13 +154,35 @@ def bare_step_seconds(options, warmup_steps, steps):
             synchronize(device)
             started = time.perf_counter()
         for _ in range(options["grad_accum"]):
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            autocast = options["precision"] == "autocast" and dtype != torch.float32
+            with torch.autocast(device.type, dtype=dtype, enabled=autocast):
                 loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / options["grad_accum"]
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     synchronize(device)
     return (time.perf_counter() - started) / steps
+
+
+def shard_like_the_chapter(model, dtype, device):
+    """Chapter 04's fully_shard() groups and MixedPrecisionPolicy (bf16 copies of the weights for compute, fp32
+    gradient reduction), on a process group of one: what FSDP's precision costs is then in both loops."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
+        fully_shard(layer, mp_policy=policy, reshard_after_forward=index < len(layers) - 1)
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
 
 
 def synchronize(device):

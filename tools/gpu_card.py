@@ -20,7 +20,9 @@ card.json and card.md are rewritten after every run, so a card cut short keeps w
    the plain fine-tune (whose losses must equal the seeded run's): --activation-checkpointing, --compile, and
    --attn-implementation flash_attention_2 when flash-attn imports.
 5. The step-overhead benchmark (tools/benchmark_step_overhead.py) for chapters 01 and 04: the bare loop and the
-   chapter in fresh processes, alternated 3 times; medians and their ratio (target: within 5%).
+   chapter in fresh processes, alternated 3 times; medians and their ratio (target: within 5%). And chapter 09's
+   ring attention block, forward and backward, against SDPA's flash kernel on one GPU (TFLOP/s), since at world
+   size 1 chapters 08 and 09 exercise no pipeline and no ring (their rows say so).
 6. The options that step AdamW on the CPU, in short runs from the same folder (the seeded init of --cpu-offload
    would draw other weights, on the CPU): --cpu-offload; the 405B command's features together; chapter 04 with
    --cpu-offload; and, when flash-attn imports, the syncs per layer of flash_attention_2 at batch size 1 (issue 12
@@ -96,19 +98,18 @@ BENCHMARK = REPO / "tools" / "benchmark_step_overhead.py"
 GPU_MODEL = REPO / "data" / "llama-3.2-1b-shape"
 CPU_MODEL = REPO / "data" / "tiny-llama"
 
-# Each chapter's extra arguments on the card, on top of the common ones; {nproc} is the world size. At world size 1
-# every degree is 1; on a machine with several GPUs the chapter's own parallelism takes them all.
+# Each chapter's extra arguments on the card, on top of the common ones: chapter_arguments() below. At world size 1
+# every degree is 1 and chapters 08 and 09 exercise no pipeline and no ring (their rows say so); on a machine with
+# several GPUs the chapter's own parallelism takes them all (08: as many as 1F1B allows, the rest data parallel).
 CHAPTER_ARGS = {
-    "01-single-gpu": [],
-    "02-distributed-data-parallel": [],
-    "03-job-launchers": [],
-    "04-fully-sharded-data-parallel": [],
-    "05-training-llama-405b": [],
     "06-tensor-parallel": [],  # tensor-parallel degree = world size
-    "07-2d-parallel": [],  # --tp defaults to the GPUs of one node
-    "08-pipeline-parallel": ["--pp", "{nproc}"],
+    "07-2d-parallel": ["--tp", "{nproc}"],  # the chapter's default on one node, said explicitly
+    "08-pipeline-parallel": ["--pp", "{pp}"],
     "09-context-parallel": ["--cp", "{nproc}"],
 }
+PARALLEL_CHAPTERS = ["08-pipeline-parallel", "09-context-parallel"]
+RING_CHAPTER = "09-context-parallel"
+NOT_EXERCISED = "parallelism not exercised on 1 GPU"
 BENCHMARK_CHAPTERS = ["01-single-gpu", "04-fully-sharded-data-parallel"]
 OPTIONS_CHAPTER = "05-training-llama-405b"
 REFERENCE_CHAPTER = "01-single-gpu"
@@ -127,6 +128,10 @@ def main():
     if args.probe:
         settings = json.loads(args.probe)
         Path(settings["output"]).write_text(json.dumps(probe(settings)))
+        return
+    if args.time_ring_block:
+        settings = json.loads(args.time_ring_block)
+        Path(settings["output"]).write_text(json.dumps(time_ring_block(settings)))
         return
     if args.fill_readmes:
         fill_readmes(Path(args.fill_readmes))
@@ -205,8 +210,9 @@ def parse_args():
     parser.add_argument("--fill-readmes", metavar="CARD_DIR",
                         help="write CARD_DIR/card.md into the READMEs' 'Measured on a GPU' sections, then exit")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--time-ring-block", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.probe or args.fill_readmes:
+    if args.probe or args.time_ring_block or args.fill_readmes:
         return args
     if not args.out:
         parser.error("--out DIR is required")
@@ -257,6 +263,7 @@ class Card:
             "planned": [],
             "runs": [],
             "benchmark": {},
+            "ring_block": {},
             "stopped": None,
         }
 
@@ -479,8 +486,11 @@ class ProcessRun:
 
 
 class BenchmarkRun:
-    def __init__(self, name, chapter, command, timeout):
+    """A process writing one JSON result (to the path after --json-out, or output) into card.data[key][chapter]."""
+
+    def __init__(self, name, chapter, command, timeout, key="benchmark", output=None):
         self.name, self.chapter, self.command, self.timeout = name, chapter, command, timeout
+        self.key, self.output = key, output or command[command.index("--json-out") + 1]
         self.parallel = False
 
 
@@ -499,8 +509,8 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
     for item in args.chapter_args:
         chapter, extra = item.split("=", 1)
         overrides[chapter] = shlex.split(extra)
-    chapter_args = {chapter: [arg.replace("{nproc}", str(nproc)) for arg in CHAPTER_ARGS.get(chapter, [])]
-                    + overrides.get(chapter, []) for chapter in chapters}
+    chapter_args = {chapter: chapter_arguments(chapter, nproc, args.batch_size) + overrides.get(chapter, [])
+                    for chapter in chapters}
     card.data["chapter_args"] = chapter_args
     card.data["settings"]["nproc"] = nproc
     runs_dir = card.out_dir / "runs"
@@ -540,8 +550,16 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
     if "chapters" in parts:
         for chapter in chapters:
             reference = None if chapter == REFERENCE_CHAPTER else REFERENCE_CHAPTER
-            plan.append(training_run(chapter, chapter, [], kind="chapter", reference=reference, timeout=180,
-                                     min_records=2))
+            model, note = args.model, NOT_EXERCISED if nproc == 1 and chapter in PARALLEL_CHAPTERS else None
+            if chapter == "08-pipeline-parallel" and nproc > 1 and args.batch_size > 1:
+                model = untied_model(args.model, scratch_dir)
+                if model != args.model:
+                    reference, note = None, "an untied copy of the model (pipeline stages cannot share one weight)"
+            run = training_run(chapter, chapter, [], model=model, kind="chapter", reference=reference, timeout=180,
+                               min_records=2, note=note)
+            # NOTE: an untied copy has more FLOPs per token than the probe counted: its row gives its own MFU only.
+            run.main_model = model == args.model
+            plan.append(run)
 
     # 3. Checks: LOCAL_RANK=1 with one visible GPU (every chapter but 01), on the tiny model.
     if "checks" in parts:
@@ -555,7 +573,7 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
             command = [sys.executable, str(REPO / chapter / "train_llm.py"), "-m", str(CPU_MODEL),
                        "--seq-length", "64", "--batch-size", "4", "--max-steps", "2", "--log-freq", "1",
                        "--num-workers", "0", "--wandb-mode", "disabled", "--save-dir", str(runs_dir), "-e", name,
-                       *chapter_args[chapter]]
+                       *chapter_arguments(chapter, 1, 4)]
             note = ("issue 12 item 8: one visible GPU, LOCAL_RANK=1 (tiny model, 2 steps and a checkpoint)" if gpu
                     else "n/a on the CPU: no GPU to pick (runs the same command)")
             plan.append(ProcessRun(name=name, chapter=chapter, options=["LOCAL_RANK=1"], kind="check",
@@ -602,6 +620,17 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
                        *chapter_args[chapter]]
             plan.append(BenchmarkRun(name=f"benchmark-{chapter}", chapter=chapter, command=command,
                                      timeout=360 if gpu else 900))
+
+    # 5b. Chapter 09's ring attention block, forward and backward, against SDPA's flash kernel on the same shapes.
+    if "benchmark" in parts and RING_CHAPTER in chapters:
+        config = json.loads((Path(args.model) / "config.json").read_text())
+        settings = {"mode": card.mode, "output": str(runs_dir / "ring-block.json"),
+                    "heads": config["num_attention_heads"], "kv_heads": config["num_key_value_heads"],
+                    "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                    "tokens": [args.seq_length, 4 * args.seq_length]}
+        plan.append(BenchmarkRun(name="ring-block-timing", chapter=RING_CHAPTER, key="ring_block",
+                                 command=[sys.executable, __file__, "--time-ring-block", json.dumps(settings)],
+                                 output=settings["output"], timeout=240))
 
     # 6. The options that need CUDA: on a GPU, short runs; on the CPU, their one-line errors.
     if "options" in parts and OPTIONS_CHAPTER in chapters:
@@ -651,6 +680,27 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
             if missing:
                 item.missing_flags = missing
     return plan
+
+
+def chapter_arguments(chapter, nproc, batch_size):
+    """A chapter's extra arguments at world size nproc with --batch-size batch_size."""
+    # NOTE: 1F1B needs a micro-batch per stage (one sequence each): the most stages dividing nproc that the batch fills.
+    pp = max(stages for stages in range(1, min(nproc, batch_size) + 1) if nproc % stages == 0)
+    return [arg.format(nproc=nproc, pp=pp) for arg in CHAPTER_ARGS.get(chapter, [])]
+
+
+def untied_model(model, scratch_dir):
+    """The model folder, or where its config ties the output head to the embeddings, an untied copy (config and
+    tokenizer files) in scratch_dir: pipeline stages cannot share one weight (chapter 08's check)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    if not config.get("tie_word_embeddings"):
+        return model
+    copy = Path(scratch_dir) / f"{Path(model).name}-untied"
+    copy.mkdir(parents=True, exist_ok=True)
+    (copy / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}, indent=2))
+    for tokenizer_file in Path(model).glob("tokenizer*"):
+        shutil.copy(tokenizer_file, copy)
+    return str(copy)
 
 
 def missing_flags(chapter, command):
@@ -949,14 +999,83 @@ def run_benchmark(card, benchmark):
     run = ProcessRun(name=benchmark.name, chapter=benchmark.chapter, options=[], kind="benchmark",
                      command=benchmark.command, timeout=benchmark.timeout)
     record, = execute(card, [run])
-    json_out = Path(benchmark.command[benchmark.command.index("--json-out") + 1])
+    json_out = Path(benchmark.output)
     if record["status"] == "ok":
         if json_out.exists():
-            card.data["benchmark"][benchmark.chapter] = json.loads(json_out.read_text())
+            card.data[benchmark.key][benchmark.chapter] = json.loads(json_out.read_text())
         else:
             record.update(status="failed", error="the benchmark wrote no result")
     card.data["runs"] = [existing for existing in card.data["runs"] if existing["name"] != record["name"]]
     card.data["runs"].append(record)
+
+
+def time_ring_block(settings):
+    """Runs in its own process: chapter 09's ring attention block (attention_block and attention_block_backward, called
+    as RingAttention calls them on its own causal block) against SDPA's flash kernel on the same shapes, in TFLOP/s.
+
+    NOTE: both are credited the causal attention's useful FLOPs, 2 matmuls of b h s^2 d / 2 multiply-adds forward and
+    2.5 times that backward (FlashAttention's convention), so their TFLOP/s compare as their times do.
+    """
+    import importlib.util
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    spec = importlib.util.spec_from_file_location("chapter_09", REPO / RING_CHAPTER / "train_llm.py")
+    chapter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chapter)
+    on_gpu = settings["mode"] == "gpu" and torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    heads, kv_heads, head_dim = settings["heads"], settings["kv_heads"], settings["head_dim"]
+    results = {"device": torch.cuda.get_device_name(0) if on_gpu else "cpu", "dtype": str(dtype)[6:],
+               "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "rows": []}
+
+    def seconds(function, repeats):
+        function()
+        if on_gpu:
+            torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            function()
+            if on_gpu:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    for tokens in settings["tokens"]:
+        make = lambda groups: torch.randn(1, groups, tokens, head_dim, device=device, dtype=dtype, requires_grad=True)
+        query, key, value = make(heads), make(kv_heads), make(kv_heads)
+        grad = torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype)
+        scale = head_dim ** -0.5
+        # NOTE: as inside RingAttention's forward and backward: no autograd, grad_output and delta in fp32.
+        with torch.no_grad():
+            block_output, lse = chapter.attention_block(query, key, value, scale, True)
+        grad_float = grad.float()
+        delta = (grad_float * block_output.to(dtype).float()).sum(-1)
+        ring = {"forward": torch.no_grad()(lambda: chapter.attention_block(query, key, value, scale, True)),
+                "backward": torch.no_grad()(lambda: chapter.attention_block_backward(
+                    grad_float, query, key, value, lse, delta, scale, True))}
+        # NOTE: the flash kernel wants as many key/value heads as query heads (as chapter 09's pytorch form does).
+        full_key, full_value = (states.detach().repeat_interleave(heads // kv_heads, dim=1).requires_grad_()
+                                for states in (key, value))
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            output = torch.nn.functional.scaled_dot_product_attention(query, full_key, full_value, is_causal=True,
+                                                                      scale=scale)
+            flash = {"forward": lambda: torch.nn.functional.scaled_dot_product_attention(
+                         query, full_key, full_value, is_causal=True, scale=scale),
+                     "backward": lambda: torch.autograd.grad(output, (query, full_key, full_value), grad,
+                                                             retain_graph=True)}
+            forward_flops = 4 * heads * tokens * tokens * head_dim / 2
+            row = {"tokens": tokens, "max_output_difference": (block_output - output).abs().max().item()}
+            for name, attention in (("ring_block", ring), ("sdpa_flash", flash)):
+                forward, backward = (seconds(attention[part], settings.get("repeats", 5)) for part in attention)
+                row[name] = {"forward_ms": forward * 1e3, "backward_ms": backward * 1e3,
+                             "forward_tflops": forward_flops / forward / 1e12,
+                             "backward_tflops": 2.5 * forward_flops / backward / 1e12}
+            results["rows"].append(row)
+        del query, key, value, full_key, full_value, grad, grad_float, output, block_output, lse, delta
+    return results
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -984,6 +1103,19 @@ def render_markdown(data):
                          f"{result['ratio']:.3f} | {result['overhead_percent']:+.1f}% | "
                          f"{', '.join(f'{ms:.1f}' for ms in result['bare_step_ms'])}; "
                          f"{', '.join(f'{ms:.1f}' for ms in result['chapter_step_ms'])} |")
+    for chapter, result in data.get("ring_block", {}).items():
+        lines += ["", f"{chapter}'s ring attention block on one {result['device']} ({result['dtype']}, "
+                  f"{result['heads']} heads, {result['kv_heads']} key/value heads of {result['head_dim']}; its "
+                  "attention_block and attention_block_backward, as RingAttention calls them) against SDPA's flash "
+                  "kernel on the same shapes, causal TFLOP/s (medians):", "",
+                  "| tokens | ring block fwd / bwd ms | TFLOP/s | flash fwd / bwd ms | TFLOP/s | outputs differ by |",
+                  "|" + " --- |" * 6]
+        for row in result["rows"]:
+            ring, flash = row["ring_block"], row["sdpa_flash"]
+            lines.append(f"| {row['tokens']} | " + " | ".join(
+                f"{part['forward_ms']:.2f} / {part['backward_ms']:.2f} | "
+                f"{part['forward_tflops']:.3g} / {part['backward_tflops']:.3g}" for part in (ring, flash))
+                + f" | {row['max_output_difference']:.1e} |")
     checks = [run for run in data["runs"] if run["kind"] == "check"]
     flash_unmeasured = data["mode"] == "gpu" and environment.get("model") and not environment.get("flash_attn") \
         and OPTIONS_CHAPTER in data["chapter_args"]
@@ -1067,6 +1199,8 @@ def table_row(run, data):
     options = " ".join(run["options"]) or ("(seeded weights)" if "+pretrained" in run["name"] else "")
     if run["name"].endswith("+pretrained"):
         options = "-m seeded-weights folder"
+    if run["kind"] == "chapter" and run.get("note"):
+        options = f"({run['note']})"
     if run["status"] not in ("ok",) and not run.get("tokens_per_second"):
         status = "expected error ✓" if run["status"] == "expected error" else f"{run['status']} ✗"
         return f"| {chapter} | {options} | {status} | | | | | | | |"
