@@ -1048,14 +1048,14 @@ def time_ring_block(settings):
         query, key, value = make(heads), make(kv_heads), make(kv_heads)
         grad = torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype)
         scale = head_dim ** -0.5
-        # NOTE: as inside RingAttention's forward and backward: no autograd, grad_output and delta in fp32.
+        # NOTE: as inside RingAttention's forward and backward: no autograd, grad_output in the compute dtype, delta
+        # in fp32.
         with torch.no_grad():
             block_output, lse = chapter.attention_block(query, key, value, scale, True)
-        grad_float = grad.float()
-        delta = (grad_float * block_output.to(dtype).float()).sum(-1)
+        delta = (grad.float() * block_output.to(dtype).float()).sum(-1)
         ring = {"forward": torch.no_grad()(lambda: chapter.attention_block(query, key, value, scale, True)),
                 "backward": torch.no_grad()(lambda: chapter.attention_block_backward(
-                    grad_float, query, key, value, lse, delta, scale, True))}
+                    grad, query, key, value, lse, delta, scale, True))}
         # NOTE: the flash kernel wants as many key/value heads as query heads (as chapter 09's pytorch form does).
         full_key, full_value = (states.detach().repeat_interleave(heads // kv_heads, dim=1).requires_grad_()
                                 for states in (key, value))
@@ -1074,7 +1074,7 @@ def time_ring_block(settings):
                              "forward_tflops": forward_flops / forward / 1e12,
                              "backward_tflops": 2.5 * forward_flops / backward / 1e12}
             results["rows"].append(row)
-        del query, key, value, full_key, full_value, grad, grad_float, output, block_output, lse, delta
+        del query, key, value, full_key, full_value, grad, output, block_output, lse, delta
     return results
 
 
