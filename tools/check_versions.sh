@@ -5,7 +5,7 @@
 #
 #     bash tools/check_versions.sh 2.15.0 5.24.0 -k "08 or 09"           further arguments go to pytest
 #
-# Builds a virtual environment in $CHECK_VERSIONS_DIR (default /work/venvs, outside the repository; pip's cache
+# Builds a virtual environment in $CHECK_VERSIONS_DIR (default ~/.cache/check_versions; pip's cache
 # beside it) with those two releases from PyPI and requirements-dev.txt's other pins, then runs in it each
 # chapter's parity test at its smallest layout (01: resume; 02 DDP, 03 two torchrun agents, 04 FSDP, 06 TP and 07
 # dp1-tp2 at 2 ranks; 05 the pretrained loss and flash attention's kwargs; 08 1f1b and interleaved at pp 2; 09
@@ -18,7 +18,7 @@ set -euo pipefail
 torch_version=$1 transformers_version=$2
 shift 2
 repo=$(cd "$(dirname "$0")/.." && pwd)
-root=${CHECK_VERSIONS_DIR:-/work/venvs}
+root=${CHECK_VERSIONS_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/check_versions}
 venv=$root/torch$torch_version-transformers$transformers_version
 started=$(date +%s)
 mkdir -p "$root"
