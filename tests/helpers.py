@@ -323,3 +323,31 @@ def loss_and_weight_differences(experiment_a, experiment_b, checkpoint_name):
     weights in their checkpoint_name folders."""
     return (max_difference(read_losses(experiment_a), read_losses(experiment_b)),
             largest_weight_difference(Path(experiment_a) / checkpoint_name, Path(experiment_b) / checkpoint_name))
+
+
+# NOTE: clipping at the default --max-grad-norm 1.0 binds at every step of these tiny runs (chapter 01's gradient
+# norms are 1.9 to 5.8); at this threshold it binds at none, so the run applies its gradients as computed.
+NO_CLIPPING = ["--max-grad-norm", "1000"]
+# NOTE: fp32 sums of squares of 1M-element gradients added in another order (shards, micro-batches, stages) move the
+# norm by ~1e-5 of itself at step 1 and ~1e-4 by step 10; a gradient 2x or 1/2 too large is off by 1.
+GRAD_NORM_TOLERANCE = 3e-4
+
+
+def grad_norm_difference(reference_dir, experiment_dir, clipped, max_grad_norm=None):
+    """The largest relative difference of two runs' logged gradient norms, step by step, after checking that
+    clipping at max_grad_norm (1.0, or NO_CLIPPING's with clipped=False) bound at every step of both (clipped=True)
+    or at none (clipped=False).
+
+    NOTE: once clipping binds, AdamW's update does not depend on the gradients' scale, and unclipped it hardly does
+    (it divides by their running size): gradients summed where they must be averaged leave the losses and weights
+    as they are, and only the norm shows them.
+    """
+    max_grad_norm = max_grad_norm or (1.0 if clipped else float(NO_CLIPPING[1]))
+    reference, experiment = read_metrics(reference_dir), read_metrics(experiment_dir)
+    assert [record["step"] for record in experiment] == [record["step"] for record in reference]
+    for records in (reference, experiment):
+        norms = [record["grad_norm"] for record in records]
+        assert all((norm > max_grad_norm) == clipped for norm in norms), \
+            f"clipping at {max_grad_norm} was meant to bind at {'every' if clipped else 'no'} step: norms {norms}"
+    return max(abs(record["grad_norm"] / reference_record["grad_norm"] - 1)
+               for record, reference_record in zip(experiment, reference))
