@@ -25,6 +25,7 @@ CHAPTERS = {
 }
 TINY_MODEL = REPO / "data" / "tiny-llama"
 FAULTS = REPO / "tests" / "faults"
+COUNTING_RUN = REPO / "tests" / "counting_run.py"
 
 # Small and fast: a 10-step run takes a few seconds on one CPU core.
 FAST_ARGS = ["--seq-length", "64", "--batch-size", "4", "--log-freq", "1", "--ckpt-freq", "1000",
@@ -201,12 +202,13 @@ class SharedRuns:
         self.workdir = Path(workdir)
         self.results = {}
 
-    def train(self, chapter, env, *args, nproc=None):
+    def train(self, chapter, env, *args, nproc=None, launcher=None):
         """Like train(): returns (result, experiment directory), from the first call with the same arguments."""
-        key = (chapter, nproc, *map(str, args))
+        key = (chapter, nproc, *map(str, args), *map(str, launcher or []))
         if key not in self.results:
             experiment = f"{chapter}-run{len(self.results)}"
-            self.results[key] = train(chapter, env, self.workdir, *args, nproc=nproc, experiment=experiment)
+            self.results[key] = train(chapter, env, self.workdir, *args, nproc=nproc, experiment=experiment,
+                                      launcher=launcher)
         return self.results[key]
 
 
@@ -218,6 +220,14 @@ def largest_weight_difference(checkpoint_a, checkpoint_b):
     weights_b = torch.load(Path(checkpoint_b) / "model.pt", map_location="cpu", weights_only=True)
     assert weights_a.keys() == weights_b.keys(), f"different tensors: {sorted(weights_a.keys() ^ weights_b.keys())}"
     return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
+
+
+def counted(result):
+    """{rank: counts} from the lines 'counts: {...}' of a run started by tests/counting_run.py."""
+    import re
+
+    return {int(rank): json.loads(counts) for rank, counts in re.findall(r"\[rank (\d+)\] counts: (\{[^}]*\})",
+                                                                           result.stdout)}
 
 
 def checkpoint_seconds(result):
@@ -336,7 +346,7 @@ GRAD_NORM_TOLERANCE = 3e-4
 def grad_norm_difference(reference_dir, experiment_dir, clipped, max_grad_norm=None):
     """The largest relative difference of two runs' logged gradient norms, step by step, after checking that
     clipping at max_grad_norm (1.0, or NO_CLIPPING's with clipped=False) bound at every step of both (clipped=True)
-    or at none (clipped=False).
+    or at none (clipped=False); clipped=None leaves that unchecked (a fine-tuning run's norms cross 1.0).
 
     NOTE: once clipping binds, AdamW's update does not depend on the gradients' scale, and unclipped it hardly does
     (it divides by their running size): gradients summed where they must be averaged leave the losses and weights
@@ -345,7 +355,7 @@ def grad_norm_difference(reference_dir, experiment_dir, clipped, max_grad_norm=N
     max_grad_norm = max_grad_norm or (1.0 if clipped else float(NO_CLIPPING[1]))
     reference, experiment = read_metrics(reference_dir), read_metrics(experiment_dir)
     assert [record["step"] for record in experiment] == [record["step"] for record in reference]
-    for records in (reference, experiment):
+    for records in (reference, experiment) if clipped is not None else ():
         norms = [record["grad_norm"] for record in records]
         assert all((norm > max_grad_norm) == clipped for norm in norms), \
             f"clipping at {max_grad_norm} was meant to bind at {'every' if clipped else 'no'} step: norms {norms}"
