@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_seconds, grad_norm_difference,
-                     largest_weight_difference, load_script, max_difference, read_losses, read_metrics, run, script, train, train_with_a_restart, with_faults)
+                     largest_weight_difference, load_script, max_difference, read_losses, read_metrics, run, script, train,
+                     train_with_a_restart, with_faults)
 
 README = REPO / CHAPTERS["02"] / "README.md"
 STEPS = 10
