@@ -24,7 +24,10 @@ COMMON = ["--max-steps", str(STEPS), "--dtype", "bfloat16", "--wandb-mode", "dis
 GLOBAL_BATCH = 4
 AUTOCAST_TOLERANCE = 1e-3      # rounds like chapter 01 (autocast); measured at most 3.1e-4
 FSDP_BF16_TOLERANCE = 5e-3     # bf16 weights and activations (MixedPrecisionPolicy); measured at most 2.0e-3
-BF16_FLOOR = 2e-4              # how far from chapter 01's fp32 curve a bf16 run must be: 20x fp32's agreement
+# How far from chapter 01's fp32 curve a bf16 run must be: 20x fp32's agreement; measured 4.6e-4 (02, 03) to 1.9e-3
+# (04, 05, 08); an fp32 run given --dtype bfloat16 (04 with param_dtype float32) is 9.5e-7 from it. NOTE: the FSDP
+# chapters are about as far from 01's bf16 curve as from its fp32 one, so "closer to bf16" would not hold for them.
+BF16_FLOOR = 2e-4
 
 # Each chapter with chapter 01's global batch of 4 sequences: (processes, flags, tolerance).
 CHAPTER_RUNS = {
