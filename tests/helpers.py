@@ -25,6 +25,7 @@ CHAPTERS = {
 }
 TINY_MODEL = REPO / "data" / "tiny-llama"
 FAULTS = REPO / "tests" / "faults"
+COUNTING_RUN = REPO / "tests" / "counting_run.py"
 
 # Small and fast: a 10-step run takes a few seconds on one CPU core.
 FAST_ARGS = ["--seq-length", "64", "--batch-size", "4", "--log-freq", "1", "--ckpt-freq", "1000",
@@ -241,18 +242,19 @@ class SharedRuns:
         self.workdir = Path(workdir)
         self.results = {}
 
-    def train(self, chapter, env, *args, nproc=None):
+    def train(self, chapter, env, *args, nproc=None, launcher=None):
         """Like train(): returns (result, experiment directory), from the first call with the same arguments."""
         import shutil
         import zlib
 
-        key = (chapter, nproc, *map(str, args))
+        key = (chapter, nproc, *map(str, args), *map(str, launcher or []))
         if key not in self.results:
             # NOTE: named by its key and started afresh: a run that failed can leave its folder, with a checkpoint,
             # which a run of another key (or of this one, asked again) would otherwise resume from.
             experiment = f"{chapter}-run-{zlib.crc32(repr(key).encode()):08x}"
             shutil.rmtree(self.workdir / "outputs" / experiment, ignore_errors=True)
-            self.results[key] = train(chapter, env, self.workdir, *args, nproc=nproc, experiment=experiment)
+            self.results[key] = train(chapter, env, self.workdir, *args, nproc=nproc, experiment=experiment,
+                                      launcher=launcher)
         return self.results[key]
 
 
@@ -264,6 +266,14 @@ def largest_weight_difference(checkpoint_a, checkpoint_b):
     weights_b = torch.load(Path(checkpoint_b) / "model.pt", map_location="cpu", weights_only=True)
     assert weights_a.keys() == weights_b.keys(), f"different tensors: {sorted(weights_a.keys() ^ weights_b.keys())}"
     return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
+
+
+def counted(result):
+    """{rank: counts} from the lines 'counts: {...}' of a run started by tests/counting_run.py."""
+    import re
+
+    return {int(rank): json.loads(counts) for rank, counts in re.findall(r"\[rank (\d+)\] counts: (\{[^}]*\})",
+                                                                           result.stdout)}
 
 
 def checkpoint_seconds(result):
@@ -402,3 +412,31 @@ class FakeFlashAttention:
         assert max_seqlen_q == max(end - start for start, end in zip(bounds, bounds[1:]))
         return torch.cat([self.attention(q[start:end], k[start:end], v[start:end], causal, softmax_scale)
                           for start, end in zip(bounds, bounds[1:])])
+
+
+# NOTE: clipping at the default --max-grad-norm 1.0 binds at every step of these tiny runs (chapter 01's gradient
+# norms are 1.9 to 5.8); at this threshold it binds at none, so the run applies its gradients as computed.
+NO_CLIPPING = ["--max-grad-norm", "1000"]
+# NOTE: fp32 sums of squares of 1M-element gradients added in another order (shards, micro-batches, stages) move the
+# norm by ~1e-5 of itself at step 1 and ~1e-4 by step 10; a gradient 2x or 1/2 too large is off by 1.
+GRAD_NORM_TOLERANCE = 3e-4
+
+
+def grad_norm_difference(reference_dir, experiment_dir, clipped, max_grad_norm=None):
+    """The largest relative difference of two runs' logged gradient norms, step by step, after checking that
+    clipping at max_grad_norm (1.0, or NO_CLIPPING's with clipped=False) bound at every step of the reference run
+    (clipped=True) or at none (clipped=False); clipped=None leaves that unchecked (a fine-tuning run's norms cross
+    1.0). The experiment's norms, equal to the reference's, are on the same side.
+
+    NOTE: once clipping binds, AdamW's update does not depend on the gradients' scale, and unclipped it hardly does
+    (it divides by their running size): gradients summed where they must be averaged leave the losses and weights
+    as they are, and only the norm shows them.
+    """
+    max_grad_norm = max_grad_norm or (1.0 if clipped else float(NO_CLIPPING[1]))
+    reference, experiment = read_metrics(reference_dir), read_metrics(experiment_dir)
+    assert [record["step"] for record in experiment] == [record["step"] for record in reference]
+    norms = [record["grad_norm"] for record in reference]
+    assert clipped is None or all((norm > max_grad_norm) == clipped for norm in norms), \
+        f"clipping at {max_grad_norm} was meant to bind at {'every' if clipped else 'no'} step: norms {norms}"
+    return max(abs(record["grad_norm"] / reference_record["grad_norm"] - 1)
+               for record, reference_record in zip(experiment, reference))

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from helpers import TINY_MODEL, error_line, load_script, max_difference, read_losses, train, with_faults
+from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, TINY_MODEL, error_line, grad_norm_difference, load_script,
+                     max_difference, read_losses, train, with_faults)
 
 
 
@@ -24,12 +25,14 @@ def test_quick_start_command_trains_and_the_loss_falls(quick_start):
 
 
 def test_resume_is_exact(env, tmp_path):
-    _, straight = train("01", env, tmp_path, "--max-steps", "8", experiment="straight")
-    train("01", env, tmp_path, "--max-steps", "8", "--exit-after-steps", "4", experiment="resumed")
+    # Clipping does not bind here (NO_CLIPPING): the gradients of the resumed steps are applied as computed.
+    _, straight = train("01", env, tmp_path, "--max-steps", "8", *NO_CLIPPING, experiment="straight")
+    train("01", env, tmp_path, "--max-steps", "8", *NO_CLIPPING, "--exit-after-steps", "4", experiment="resumed")
     assert [path.name for path in (tmp_path / "outputs" / "resumed").glob("checkpoint-*")] == ["checkpoint-00000004"]
-    result, resumed = train("01", env, tmp_path, "--max-steps", "8", experiment="resumed")
+    result, resumed = train("01", env, tmp_path, "--max-steps", "8", *NO_CLIPPING, experiment="resumed")
     assert "resumed from" in result.stdout
     assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
+    assert grad_norm_difference(straight, resumed, clipped=False) <= 1e-6
     assert_same_weights(straight / "checkpoint-00000008", resumed / "checkpoint-00000008", tolerance=1e-6)
 
 
@@ -38,6 +41,8 @@ def test_gradient_accumulation_is_exact(env, tmp_path):
     _, accumulated = train("01", env, tmp_path, "--max-steps", "6", "--batch-size", "2", "--grad-accum", "2",
                            experiment="accumulated")
     assert max_difference(read_losses(whole), read_losses(accumulated)) <= 1e-5
+    # Clipping at the default 1.0 binds at every step: the norm is what shows micro-batch gradients left unaveraged.
+    assert grad_norm_difference(whole, accumulated, clipped=True) <= GRAD_NORM_TOLERANCE
     # NOTE: the two runs sum the same gradients in a different order, so they differ by rounding (1e-7 relative).
     # AdamW divides each gradient by its own running size: where a gradient is near zero (a rare token's embedding
     # row) a rounding difference moves that weight by a visible part of a step (lr 1e-3), and a different CPU moves

@@ -20,8 +20,8 @@ import uuid
 
 import pytest
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, cold_start, error_line, loss_and_weight_differences, read_losses, run,
-                     run_together, script)
+from helpers import (CHAPTERS, FAST_ARGS, GRAD_NORM_TOLERANCE, REPO, cold_start, error_line, grad_norm_difference,
+                     loss_and_weight_differences, read_losses, run, run_together, script)
 
 CHAPTER = REPO / CHAPTERS["03"]
 FAULTS = REPO / "tests" / "faults"
@@ -128,10 +128,13 @@ def assert_matches_reference(runs, env, experiment, what):
     _, reference = reference_run(runs, env)
     assert len(read_losses(experiment)) == STEPS
     loss_difference, weight_difference = loss_and_weight_differences(reference, experiment, FINAL_CHECKPOINT)
+    norm_difference = grad_norm_difference(reference, experiment, clipped=True)
     print(f"\n{what} vs chapter 02 (torchrun, 2 processes): largest loss difference {loss_difference:.1e}, "
-          f"largest weight difference {weight_difference:.1e} after {STEPS} steps")
+          f"largest weight difference {weight_difference:.1e}, relative gradient norm difference "
+          f"{norm_difference:.1e} after {STEPS} steps")
     assert loss_difference <= 1e-5
     assert weight_difference <= 1e-5
+    assert norm_difference <= GRAD_NORM_TOLERANCE
 
 
 def test_slurm_with_torchrun_on_two_nodes_matches_chapter_02(env, runs, slurm, repo_lookalike):

@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, FakeFlashAttention, checkpoint_weights, error_line,
-                     load_script, logged_parameter_count, max_difference, read_losses, run, script, torchrun, train)
+from helpers import (CHAPTERS, COUNTING_RUN, FAST_ARGS, GRAD_NORM_TOLERANCE, REPO, TINY_MODEL, FakeFlashAttention,
+                     checkpoint_weights, counted, error_line, grad_norm_difference, load_script, logged_parameter_count,
+                     max_difference, read_losses, read_metrics, run, script, torchrun, train)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
@@ -41,8 +42,9 @@ def pretrained_model(runs, env):
 
 
 def finetune(runs, env, *args):
-    """Chapter 05 on 2 ranks, starting from the pretrained model."""
-    return runs.train("05", env, "-m", pretrained_model(runs, env), *STEPS, *args, nproc=2)
+    """Chapter 05 on 2 ranks, starting from the pretrained model, under tests/counting_run.py (helpers' counted())."""
+    return runs.train("05", env, "-m", pretrained_model(runs, env), *STEPS, *args, nproc=2,
+                      launcher=[*torchrun(2), COUNTING_RUN])
 
 
 # The start of the programs below: the chapter's script (the first argument) imported as the module `chapter`.
@@ -114,6 +116,7 @@ def test_a_tied_model_keeps_the_embedding_in_the_head_s_group_and_loads_its_one_
     reference_result, single = runs.train("01", env, "-m", tied_model, *STEPS, "--batch-size", "4")
     result, from_seed = runs.train("05", env, "-m", tied_model, *STEPS, "--batch-size", "2", nproc=2)
     difference = max_difference(read_losses(single), read_losses(from_seed))
+    assert grad_norm_difference(single, from_seed, clipped=True) <= GRAD_NORM_TOLERANCE
 
     model_dir = tmp_path / "tied-pretrained"
     shutil.copytree(tied_model, model_dir)
@@ -229,9 +232,15 @@ print(json.dumps({"off": figures[False], "on": figures[True]}))
 
 
 def test_activation_checkpointing_keeps_fewer_activations_and_gives_the_same_losses(runs, env, tmp_path):
-    _, eager = finetune(runs, env)
-    _, checkpointed = finetune(runs, env, "--activation-checkpointing")
+    eager_result, eager = finetune(runs, env)
+    checkpointed_result, checkpointed = finetune(runs, env, "--activation-checkpointing")
     difference = max_difference(read_losses(eager), read_losses(checkpointed))
+    # The positive control, counted in the runs themselves: with the option each layer's MLP runs forward twice.
+    eager_counts, checkpointed_counts = counted(eager_result), counted(checkpointed_result)
+    print(f"\nMLP forwards per rank over 6 steps: {eager_counts} without, {checkpointed_counts} with")
+    assert sorted(eager_counts) == sorted(checkpointed_counts) == [0, 1]
+    assert all(checkpointed_counts[rank]["mlp_forwards"] == 2 * eager_counts[rank]["mlp_forwards"] > 0
+               for rank in eager_counts)
     figures = last_json_line(run_program(ACTIVATIONS_KEPT, env, tmp_path, script("05"), TINY_MODEL))
     off, on = figures["off"], figures["on"]
     print(f"\nactivation checkpointing: largest loss difference {difference:.1e} over 6 steps; kept for backward: "
@@ -248,12 +257,23 @@ def test_activation_checkpointing_keeps_fewer_activations_and_gives_the_same_los
 
 
 def test_compile_trains_like_eager(runs, env):
-    _, eager = finetune(runs, env)
+    eager_result, eager = finetune(runs, env)
     # Compiled and checkpointed together, in the order of a 405B run.
-    _, compiled = finetune(runs, env, "--compile", "--activation-checkpointing")
+    compiled_result, compiled = finetune(runs, env, "--compile", "--activation-checkpointing")
     difference = max_difference(read_losses(eager), read_losses(compiled))
-    print(f"\ntorch.compile (CPU, inductor) vs eager: largest loss difference {difference:.1e} over 6 steps")
+    norm_difference = grad_norm_difference(eager, compiled, clipped=None)
+    eager_counts, compiled_counts = counted(eager_result), counted(compiled_result)
+    print(f"\ntorch.compile (CPU, inductor) vs eager: largest loss difference {difference:.1e}, relative gradient "
+          f"norm difference {norm_difference:.1e} over 6 steps; dynamo's counts per rank: compiled {compiled_counts}, "
+          f"eager {eager_counts}")
     assert difference <= 1e-4
+    assert norm_difference <= GRAD_NORM_TOLERANCE
+    # The positive control: dynamo compiled the layers' graph on every rank (all layers share one: compile_layers),
+    # where a compile whose result went unused compiles nothing; the eager run compiled nothing.
+    assert sorted(compiled_counts) == sorted(eager_counts) == [0, 1]
+    assert all(counts["unique_graphs"] >= 1 and counts["frames_ok"] >= 1 for counts in compiled_counts.values()), \
+        f"dynamo compiled no graph: {compiled_counts}"
+    assert all(counts["unique_graphs"] == 0 for counts in eager_counts.values()), eager_counts
 
 
 def test_resume_is_exact_and_takes_precedence_over_the_pretrained_weights(runs, env, tmp_path):
@@ -271,6 +291,7 @@ def test_resume_is_exact_and_takes_precedence_over_the_pretrained_weights(runs, 
     print(f"\nresume: 6 steps straight vs 3 + 3: largest loss difference {difference:.1e}, "
           f"largest weight difference {weight_difference:.1e}")
     assert difference <= 1e-6 and weight_difference <= 1e-6
+    assert grad_norm_difference(straight, resumed, clipped=None) <= 1e-6
 
 
 def final_weights(experiment, path):

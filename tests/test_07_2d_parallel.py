@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 
-from helpers import (CHAPTERS, REPO, checkpoint_weights, logged_parameter_count, max_difference,
-                     read_losses, read_metrics, train)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, REPO, checkpoint_weights, grad_norm_difference,
+                     logged_parameter_count, max_difference, read_losses, read_metrics, train)
 
 README = REPO / CHAPTERS["07"] / "README.md"
 STEPS, HALF = 6, 3
@@ -76,11 +76,14 @@ def test_every_layout_matches_one_process_with_the_same_global_batch(env, runs, 
     loss_difference = max_difference(read_losses(reference), losses)
     weight_difference = largest_weight_difference(reference / FINAL_CHECKPOINT, experiment / FINAL_CHECKPOINT,
                                                   tmp_path)
+    norm_difference = grad_norm_difference(reference, experiment, clipped=True)
     print(f"\nparity {case} vs chapter 01: largest loss difference {loss_difference:.1e}, "
-          f"largest weight difference {weight_difference:.1e} after {STEPS} steps")
+          f"largest weight difference {weight_difference:.1e}, relative gradient norm difference "
+          f"{norm_difference:.1e} after {STEPS} steps")
     assert f"device mesh: {LAYOUTS[case][1]}" in result.stdout
     # fp32 on the CPU: only the order of the floating-point sums differs (slices, shards, all-reduces).
     assert loss_difference <= 1e-5
+    assert norm_difference <= GRAD_NORM_TOLERANCE
     # AdamW divides by the root of the squared gradients, so a weight whose gradient is ~0 (a rare token's
     # embedding row) moves by ~lr whatever the sign of its rounding noise: weights agree less closely than losses.
     assert weight_difference <= 2e-4
@@ -123,12 +126,15 @@ def test_resume_continues_the_loss_curve_at_the_same_or_another_layout(env, runs
     weight_difference = largest_weight_difference(straight / FINAL_CHECKPOINT, resumed / FINAL_CHECKPOINT, tmp_path)
     print(f"\nresume dp2-tp1 -> {case}: {STEPS} steps straight vs {HALF} + {STEPS - HALF}: largest loss difference "
           f"{loss_difference:.1e}, largest weight difference {weight_difference:.1e}")
+    norm_difference = grad_norm_difference(straight, resumed, clipped=True)
     if case == "dp2-tp1":
         assert loss_difference <= 1e-6
         assert weight_difference == 0.0
+        assert norm_difference <= 1e-6
     else:
         assert loss_difference <= 1e-5
         assert weight_difference <= 2e-4
+        assert norm_difference <= GRAD_NORM_TOLERANCE
 
 
 BAD_LAYOUTS = {

@@ -2,11 +2,12 @@
 
 Each chapter's train_llm.py starts as a copy of its base chapter's and changes only what its lesson is about, so
 that `diff BASE/train_llm.py CHAPTER/train_llm.py` shows the lesson and nothing else. This check compares the two
-scripts definition by definition: every top-level function, class and assignment defined in both must have the
-same source text, to the byte (decorators, docstrings, comments inside and the comment lines right above it
-included), unless the chapter's allowlist below names it and says why the lesson changes it. An allowlisted name
-that no longer differs fails too, so the allowlist stays the exact list of what the chapter changes, and the shared
-definitions must come in the same order, so that the diff stays short.
+scripts statement by statement, the whole module: every top-level function, class and assignment, the imports, every
+module-level call or assignment to an attribute, and every section comment must have the same source text in both,
+to the byte (decorators, docstrings, comments inside and the comment lines right above it included), unless the
+chapter's allowlist below names it and says why the lesson changes it; a statement in only one of the two scripts
+must be allowlisted too. An allowlisted name that no longer differs fails, so the allowlist stays the exact list of
+what the chapter changes, and the shared definitions must come in the same order, so that the diff stays short.
 """
 
 import ast
@@ -30,10 +31,17 @@ LINEAGE = {
                           "another world size",
         "save_checkpoint": "rank 0 writes while the others wait at a barrier, ZeRO-1 gathers the optimizer state "
                            "first, and the save is timed; the writing itself moved, unchanged, to write_checkpoint",
+        "get_device": "each process takes the GPU of its local rank",
+        "rank_zero_first": "rank 0 prepares the data while the others wait",
+        "find_latest_checkpoint_on_rank_zero": "every rank resumes from the checkpoint rank 0 finds",
+        "write_checkpoint": "the writing save_checkpoint did, moved unchanged so that only rank 0 runs it",
     },
     ("02", "03"): {
         "main": "the rank, world size and rendezvous come from whichever launcher started the process",
         "get_parser": "the --rdzv-timeout option, for launchers that start every process at once",
+        "get_distributed_environment": "rank, world size and rendezvous from torchrun, srun or mpirun",
+        "wait_for_rendezvous": "launchers that start every process at once wait for rank 0's endpoint",
+        "find_free_port": "a launcher without torchrun picks the rendezvous port itself",
     },
     ("03", "04"): {
         "main": "FSDP: the model built on the meta device and sharded, the optimizer over the shards, no autocast "
@@ -43,17 +51,33 @@ LINEAGE = {
         "save_checkpoint": "every rank writes its own shards with torch.distributed.checkpoint",
         "write_checkpoint": "only the small files are left to rank 0",
         "load_checkpoint": "each rank reads its own shards, resharding to the current world size",
+        "shard_model": "FSDP: each layer, and the rest of the model, sharded as one group",
+        "reset_rotary_embeddings": "a model built on the meta device recomputes its rotary buffers",
+        "log_memory_held": "each rank shows it holds 1/N of parameters, gradients and optimizer state",
     },
     ("04", "05"): {
         "main": "pretrained weights (from a folder or the hub), activation checkpointing and torch.compile",
         "get_parser": "the options of activation checkpointing and compilation",
         "shard_model": "separate FSDP groups for the embedding and the output head of a 405B model, and prefetching",
         "init_weights": "parameter names without the activation checkpoint wrapper's part",
+        "MODEL_FILES": "what a download of a pretrained model fetches",
+        "SKIPPED_MODEL_FILES": "what it leaves out",
+        "PICKLED_WEIGHT_FILES": "weights it refuses to read",
+        "download_model": "pretrained weights from the hub",
+        "check_weights_are_safetensors": "a folder of pickled weights gets a one-line error",
+        "apply_activation_checkpointing": "the activation checkpointing option",
+        "compile_layers": "the torch.compile option",
+        "find_weight_files": "the safetensors files of a pretrained folder",
+        "has_pretrained_weights": "a config-only folder trains from the seed",
+        "load_pretrained_weights": "each rank reads its own slices of the pretrained weights",
     },
     ("04", "06"): {
         "main": "tensor parallelism on a device mesh instead of FSDP, and loss_parallel()",
         "get_parser": "without --cpu-offload: tensor parallelism does not offload",
         "init_weights": "its comment: tensor parallelism splits each weight into slices, where FSDP shards it",
+        "shard_model": "tensor parallelism replaces FSDP's sharding",
+        "check_tensor_parallel_degree": "a degree that does not divide the model gets a one-line error",
+        "parallelize_model": "the tensor-parallel plan",
     },
     ("04", "08"): {
         "main": "pipeline parallelism on a (pp, dp) mesh: the model cut into stages, FSDP inside each stage, one "
@@ -65,10 +89,25 @@ LINEAGE = {
                        "after forward with pp > 1: they run a forward for every micro-batch",
         "save_checkpoint": "each rank's optimizer holds its own stages only: the saved parameter group lists the "
                            "names of all stages, so the checkpoint loads at any --pp and in chapter 04",
+        "PIPELINE_SCHEDULES": "the --pp-schedule choices",
+        "check_pipeline_layout": "a layout that cannot be made gets a one-line error",
+        "split_into_stages": "the model cut into stages",
+        "DecoderStage": "one stage's forward",
+        "# 6. The training loop: the pipeline": "the section of the pipeline's helpers",
+        "get_loss_function": "the loss on the last stage",
+        "build_pipeline_schedule": "one schedule per micro-step",
+        "RecordedPipelineStage": "the stage that records its busy time and activations",
+        "PipelineRecorder": "the pipeline's idle time logged",
+        "clip_grad_norm_across_stages": "the gradient norm over all stages",
+        "gather_pipeline_stats": "every rank's timeline on rank 0",
+        "log_pipeline_stats": "pipeline.jsonl",
     },
     ("06", "07"): {
         "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes",
         "get_parser": "the --tp and --dp-replicate options",
+        "get_device_mesh": "the 2D mesh",
+        "get_data_parallel_dims": "the mesh's data-parallel dimensions",
+        "shard_model": "FSDP (optionally hybrid) across the dp dimensions",
     },
     ("04", "09"): {
         "main": "a (dp, cp) device mesh, the attention across the split registered with transformers, data parallel "
@@ -77,33 +116,77 @@ LINEAGE = {
         "get_parser": "the --cp, --cp-attention and --cp-load-balance options",
         "shard_model": "FSDP over the flattened (dp, cp) mesh, summing the gradients: each rank's loss is already "
                        "its share of the global mean",
+        "get_device_mesh": "the (dp, cp) mesh",
+        "check_context_parallel": "a split that cannot be made gets a one-line error",
+        "register_context_parallel_attention": "the attention across the split registered with transformers",
+        "# 1b. Attention across the split: each rank holds some tokens of every sequence, and attention needs them all":
+            "the section of the split attention",
+        "get_token_indices": "each rank's tokens, load-balanced or not",
+        "ring_attention": "ring attention",
+        "RingAttention": "its autograd function",
+        "start_ring_pass": "the ring's send and receive",
+        "visible_block": "which blocks a causal query sees",
+        "attention_block": "one block's attention",
+        "attention_block_backward": "its backward",
+        "block_scores": "one block's scores",
+        "merge_block": "blocks merged by their log-sum-exp",
+        "all_to_all_attention": "all-to-all attention",
+        "sequence_to_head_shards": "its first all-to-all",
+        "head_to_sequence_shards": "its second",
+        "AllToAll": "its autograd function",
+        "pytorch_ring_attention": "PyTorch's context_parallel(), on CUDA",
+        "# 6. The training step": "the section of the training step's helpers",
+        "get_model_inputs": "each rank's share of the sequences, positions and labels cut before the split",
     },
 }
+for allowed in LINEAGE.values():
+    allowed.update({"__doc__": "the chapter's own summary and commands", "imports": "what the chapter's code uses"})
 MUST_EXIST = {("01", "02")}
 
 
-def top_level_definitions(source):
-    """{name: source text} of a module's top-level functions, classes and assignments, in the order of the file.
+def statement_name(node):
+    """The name the drift check gives a top-level statement: a definition's name, "__doc__" for the module's
+    docstring, "imports" for the imports, and the statement's own first line for any other (a module-level call,
+    an assignment to an attribute, `if __name__ == "__main__":`)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, ast.Assign) and all(isinstance(target, ast.Name) for target in node.targets):
+        return [target.id for target in node.targets]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return [node.target.id]
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return ["imports"]
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+        return ["__doc__"]
+    return [ast.unparse(node).splitlines()[0]]
 
-    The text of a definition is its whole lines, from its first decorator (or the comment lines right above it)
-    to its last line: ast.get_source_segment's text, plus decorators and comments.
+
+def top_level_definitions(source):
+    """{name: source text} of every top-level statement of a module (statement_name), in the order of the file.
+
+    The text of a statement is its whole lines, from its first decorator (or the comment lines right above it) to
+    its last line; consecutive imports are one statement, "imports". A block of comment lines of its own (a
+    section's title) is one too, named by its first line. Only blank lines between statements are left out.
     """
     lines = source.splitlines(keepends=True)
     definitions = {}
+    previous_end, previous_name = 0, None
     for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names = [node.name]
-        elif isinstance(node, ast.Assign):
-            names = [target.id for target in node.targets if isinstance(target, ast.Name)]
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names = [node.target.id]
-        else:
-            continue
         first_line = min([node.lineno] + [decorator.lineno for decorator in getattr(node, "decorator_list", [])])
-        while first_line > 1 and lines[first_line - 2].lstrip().startswith("#"):
+        while first_line - 1 > previous_end and lines[first_line - 2].lstrip().startswith("#"):
             first_line -= 1
-        for name in names:
-            definitions[name] = "".join(lines[first_line - 1:node.end_lineno])
+        block = []
+        for line in lines[previous_end:first_line - 1] + ["\n"]:
+            if line.strip():
+                block.append(line)
+            elif block:
+                definitions[block[0].strip()] = "".join(block)
+                block, previous_name = [], None
+        text = "".join(lines[first_line - 1:node.end_lineno])
+        for name in statement_name(node):
+            definitions[name] = definitions[name] + text if name == previous_name == "imports" else text
+            previous_name = name
+        previous_end = node.end_lineno
     return definitions
 
 
@@ -119,10 +202,15 @@ def find_drift(base_source, chapter_source, allowed, base_name="base", chapter_n
             shown = "\n".join(diff[:30] + ([f"... ({len(diff) - 30} more lines)"] if len(diff) > 30 else []))
             problems.append(f"{name} drifted from the base chapter; make it identical again, or add it to the "
                             f"allowlist with the reason this chapter's lesson changes it:\n{shown}")
+    for name in [*[name for name in base if name not in chapter], *[name for name in chapter if name not in base]]:
+        if name not in allowed:
+            where = chapter_name if name in chapter else base_name
+            problems.append(f"{name} is in {where} only; make the scripts agree, or add it to the allowlist with the "
+                            f"reason this chapter's lesson adds or removes it:\n{(chapter | base)[name][:2000]}")
     for name in allowed:
-        if name not in shared:
-            problems.append(f"the allowlisted {name} is not defined in both scripts: remove it from the allowlist")
-        elif base[name] == chapter[name]:
+        if name not in base and name not in chapter:
+            problems.append(f"the allowlisted {name} is in neither script: remove it from the allowlist")
+        elif name in base and name in chapter and base[name] == chapter[name]:
             problems.append(f"the allowlisted {name} is identical in both scripts: remove it from the allowlist")
     chapter_order = [name for name in chapter if name in base]
     if chapter_order != shared:
@@ -171,7 +259,7 @@ def test_the_check_fails_a_stale_allowlist_entry():
     allowed = {**LINEAGE["01", "02"], "fail": "no reason", "no_such_function": "no reason"}
     problems = find_drift(script("01").read_text(), script("02").read_text(), allowed)
     assert problems == ["the allowlisted fail is identical in both scripts: remove it from the allowlist",
-                        "the allowlisted no_such_function is not defined in both scripts: remove it from the allowlist"]
+                        "the allowlisted no_such_function is in neither script: remove it from the allowlist"]
 
 
 def test_the_check_fails_a_moved_definition():
@@ -180,3 +268,24 @@ def test_the_check_fails_a_moved_definition():
     chapter_source = chapter_source.replace(moved, "") + "\n\n" + moved
     problems = find_drift(script("01").read_text(), chapter_source, LINEAGE["01", "02"])
     assert problems == ["shared definitions moved: cut_into_chunks; keep them in the base chapter's order"]
+
+
+# Each addition below, made to chapter 02 alone outside its allowlisted definitions, must be caught and named.
+ADDITIONS = {
+    "attribute assignment": ("\nfrom tqdm import tqdm\n",
+                             "\nfrom tqdm import tqdm\ntorch.backends.cuda.matmul.allow_tf32 = True\n",
+                             "torch.backends.cuda.matmul.allow_tf32 = True is in chapter only"),
+    "module-level call": ("\nfrom tqdm import tqdm\n",
+                          "\nfrom tqdm import tqdm\ntorch.set_float32_matmul_precision('high')\n",
+                          "torch.set_float32_matmul_precision('high') is in chapter only"),
+    "definition": ("\ndef main():", "\ndef helper():\n    pass\n\n\ndef main():", "helper is in chapter only"),
+}
+
+
+@pytest.mark.parametrize("addition", ADDITIONS)
+def test_the_check_names_what_a_chapter_adds_outside_its_definitions(addition):
+    old, new, expected = ADDITIONS[addition]
+    chapter_source = script("02").read_text()
+    assert chapter_source.count(old) == 1
+    problems = find_drift(script("01").read_text(), chapter_source.replace(old, new), LINEAGE["01", "02"])
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
