@@ -238,6 +238,8 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
             argv.append(f"--{flag.replace('_', '-')}")
     if chapter == "06":
         argv.remove("--fsdp")
+    if chapter == "05":
+        argv.append("--split-root-group")
     argv[argv.index("-m") + 1] = str((REPO_ROOT / known.m) if not Path(known.m).is_absolute() else known.m)
     sys_argv, sys.argv = sys.argv, ["estimate_memory.py", *argv]
     try:
