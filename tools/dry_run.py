@@ -1,0 +1,285 @@
+"""Dry-run one rank of a real-sized job on one CPU, with the chapter's own code, before renting the cluster.
+
+    python tools/dry_run.py 04 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b
+    python tools/dry_run.py 07 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --tp 8
+
+Everything after the chapter goes to the chapter's train_llm.py, whose main() runs as on rank --rank of a job of
+--nnodes x --nproc-per-node processes, with three things swapped underneath it:
+
+* the process group is PyTorch's fake backend (FakeStore, init_process_group("fake")): every collective returns at
+  once and no other rank exists (torchtitan's memory estimation does the same);
+* every tensor is a FakeTensor (FakeTensorMode): shapes, dtypes and devices without memory or arithmetic, so a
+  step of an 8B layer takes milliseconds and the weights are never initialized (init_weights is skipped);
+* the data set is a batch of token ids of the right shape (no tokenizer or corpus is read), wandb is off, and no
+  checkpoint is read or written.
+
+The chapter builds its model on the meta device and shards it (fully_shard, its TP plan, its pipeline split, its
+context-parallel wrapping) as on the cluster, and checks its input as there: a layout it rejects ends the dry run
+with the chapter's own one-line `error:`. Two training steps run; PyTorch's memory tracker (FSDPMemTracker for a
+model the chapter fully_shard()s, MemTracker otherwise) counts this rank's memory by category: what it holds after
+the first optimizer step (parameters, gradients, optimizer state) and everything alive at the second step's peak.
+Beside them: tools/estimate_memory.py's prediction for the same layout.
+
+On the CPU the chapters compute in float32 unless told; a dry run is for a GPU job, so it passes --dtype bfloat16
+unless the arguments give a --dtype. Limits: a fake collective moves nothing, so values (losses, gradient norms)
+mean nothing; peaks are sums of tensor sizes (no allocator rounding or fragmentation, no CUDA/NCCL workspace).
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CHAPTERS = {path.name[:2]: path for path in sorted(REPO_ROOT.glob("0[4-9]-*")) if (path / "train_llm.py").is_file()}
+MB = 1e6
+
+
+class DryRunDone(Exception):
+    """Raised by the optimizer hook after the second step: the dry run has what it came for."""
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s CHAPTER --nnodes N "
+                                     "--nproc-per-node G [--rank R] [--json] [CHAPTER'S ARGUMENTS ...]")
+    parser.add_argument("chapter", choices=sorted(CHAPTERS), help="the chapter's number, e.g. 04")
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--nproc-per-node", type=int, default=8)
+    parser.add_argument("--rank", type=int, default=0, help="the rank to run (default 0)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
+    args, chapter_args = parser.parse_known_args()
+    world_size = args.nnodes * args.nproc_per_node
+    if not 0 <= args.rank < world_size:
+        raise SystemExit(f"error: --rank {args.rank} is not in a job of {world_size} ranks; give 0 to {world_size - 1}")
+    if not any(arg == "--dtype" or arg.startswith("--dtype=") for arg in chapter_args):
+        chapter_args = [*chapter_args, "--dtype", "bfloat16"]
+    started = time.perf_counter()
+    result = dry_run(args.chapter, chapter_args, args.rank, args.nproc_per_node, world_size)
+    result["seconds"] = time.perf_counter() - started
+    result["estimate"] = estimate(args.chapter, chapter_args, args.rank, args.nproc_per_node, world_size)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+
+
+def load_chapter(chapter):
+    script = CHAPTERS[chapter] / "train_llm.py"
+    spec = importlib.util.spec_from_file_location(f"train_llm_{chapter}", script)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(script.parent))
+    spec.loader.exec_module(module)
+    return module
+
+
+def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
+    """Run the chapter's main() for one rank under the fake backend and FakeTensorMode; its memory by category."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    module = load_chapter(chapter)
+    found = {"optimizers": []}
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def init_process_group(*_, **__):
+        dist.init_process_group.__wrapped__("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+    init_process_group.__wrapped__ = dist.init_process_group
+
+    def init_weights(model, seed):
+        found["model"] = model
+
+    def load_and_tokenize_dataset(args, tokenizer):
+        found["args"] = args
+        return range(args.batch_size * args.grad_accum * world_size * 2)
+
+    def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
+        batches = [{"input_ids": torch.randint(0, found["model"].config.vocab_size, (args.batch_size, args.seq_length),
+                                               device=device)} for _ in range(2 * args.grad_accum)]
+        start_tracker()
+        return batches
+
+    original_to_empty = torch.nn.Module.to_empty
+
+    def to_empty(self, *a, **k):
+        # NOTE: tensors turn fake from the first to_empty() on: device meshes (built before it) read their rank map
+        # on the host, which a FakeTensor cannot give.
+        if not found.get("fake"):
+            found["fake"] = True
+            found["exit"].enter_context(fake_mode)
+        return original_to_empty(self, *a, **k)
+
+    class RecordedAdamW(torch.optim.AdamW):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            found["optimizers"].append(self)
+            self.register_step_post_hook(after_step)
+
+    def start_tracker():
+        model, optimizers = found["model"], found["optimizers"]
+        if isinstance(model, FSDPModule) and len(optimizers) == 1:
+            tracker = FSDPMemTracker(model, optimizers[0])
+        else:
+            tracker = MemTracker()
+            tracker.track_external(model, *optimizers)
+        found["tracker"] = tracker
+        found["exit"].enter_context(tracker)
+
+    def after_step(optimizer, *_):
+        tracker = found["tracker"]
+        optimizer.steps_done = getattr(optimizer, "steps_done", 0) + 1
+        if any(getattr(o, "steps_done", 0) < optimizer.steps_done for o in found["optimizers"]):
+            return
+        if optimizer.steps_done == 1:
+            found["held"] = snapshot(tracker.get_tracker_snapshot())
+            # NOTE: the tracker counts AdamW's 0-dimensional step counters; the chapters' log, measure_step.py and
+            # the estimator leave them out (4 bytes a parameter tensor), so they are given apart.
+            found["step_counters"] = sum(value.numel() * value.element_size() for o in found["optimizers"]
+                                         for state in o.state.values() for value in state.values()
+                                         if torch.is_tensor(value) and value.dim() == 0)
+            # NOTE: the first step has no optimizer state in its forward and backward; the peak that repeats is the
+            # second step's, so the tracker's peak starts again here (as MemTracker.__enter__ sets it).
+            tracker.reset_mod_stats()
+            tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+            tracker._peak_mem = {device: snap["Total"] for device, snap in tracker._peak_mem_snap.items()}
+        else:
+            found["peak"] = snapshot(tracker.get_tracker_snapshot("peak"))
+            raise DryRunDone
+
+    patches = dict(
+        get_distributed_environment=lambda timeout: ("dry run", rank, rank % nproc_per_node, world_size),
+        rank_zero_first=contextlib.nullcontext, init_weights=init_weights, load_tokenizer=lambda name: None,
+        load_and_tokenize_dataset=load_and_tokenize_dataset, get_dataloader=get_dataloader,
+        find_latest_checkpoint_on_rank_zero=lambda experiment_dir: None,
+    )
+    for name, value in patches.items():
+        if hasattr(module, name):
+            setattr(module, name, value)
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT="0", WANDB_MODE="disabled")
+    with tempfile.TemporaryDirectory() as save_dir, contextlib.ExitStack() as exit_stack:
+        found["exit"] = exit_stack
+        sys.argv = [str(CHAPTERS[chapter] / "train_llm.py"), *chapter_args, "--save-dir", save_dir, "--max-steps",
+                    "10", "--log-freq", "1000", "--ckpt-freq", "1000", "--num-workers", "0"]
+        exit_stack.enter_context(patched(dist, "init_process_group", init_process_group))
+        exit_stack.enter_context(patched(torch.optim, "AdamW", RecordedAdamW))
+        exit_stack.enter_context(patched(module.wandb, "init", lambda *a, **k: None))
+        exit_stack.enter_context(patched(module.wandb, "finish", lambda *a, **k: None))
+        exit_stack.enter_context(patched(torch.nn.Module, "to_empty", to_empty))
+        try:
+            module.main()
+        except DryRunDone:
+            pass
+        finally:
+            exit_stack.close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+    if "peak" not in found:
+        raise SystemExit("error: the chapter's main() returned before its second optimizer step")
+    args = found["args"]
+    return {"chapter": CHAPTERS[chapter].name, "rank": rank, "world_size": world_size,
+            "tracker": type(found["tracker"]).__name__, "batch_size": args.batch_size, "seq_length": args.seq_length,
+            "held": found["held"], "peak": found["peak"],
+            "step_counter_bytes": found["step_counters"]}
+
+
+@contextlib.contextmanager
+def patched(owner, name, value):
+    original = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def snapshot(tracker_snapshot):
+    """{category: bytes} summed over devices, from a tracker snapshot {device: {category: bytes, "Total": bytes}}."""
+    total = {}
+    for device_snapshot in tracker_snapshot.values():
+        for category, value in device_snapshot.items():
+            name = getattr(category, "value", category)
+            total[name] = total.get(name, 0) + value
+    return {category: value for category, value in total.items() if value}
+
+
+def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
+    """tools/estimate_memory.py's prediction for the layout the chapter's arguments describe."""
+    import estimate_memory
+
+    parser = argparse.ArgumentParser(add_help=False)
+    for flag, default in [("-m", "data/tiny-llama"), ("--tp", 1), ("--pp", 1), ("--cp", 1), ("--batch-size", 8),
+                          ("--seq-length", 256), ("--grad-accum", 1), ("--dtype", "bfloat16"), ("--dp-replicate", 1)]:
+        parser.add_argument(flag, type=type(default), default=default)
+    for flag in ["--activation-checkpointing", "--cpu-offload", "--split-root-group"]:
+        parser.add_argument(flag, action="store_true")
+    known, _ = parser.parse_known_args(chapter_args)
+    model_parallel = known.tp * known.pp * known.cp
+    argv = ["-m", known.m, "--dp", str(world_size // model_parallel), "--fsdp", "--rank", str(rank), "--batch-size",
+            str(known.batch_size), "--seq-length", str(known.seq_length), "--grad-accum", str(known.grad_accum),
+            "--dtype", known.dtype, "--json"]
+    for flag in ["tp", "pp", "cp", "dp_replicate"]:
+        if getattr(known, flag) > 1:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(known, flag))]
+    for flag in ["activation_checkpointing", "cpu_offload", "split_root_group"]:
+        if getattr(known, flag):
+            argv.append(f"--{flag.replace('_', '-')}")
+    if chapter == "06":
+        argv.remove("--fsdp")
+    if chapter == "05":
+        argv.append("--split-root-group")
+    argv[argv.index("-m") + 1] = str((REPO_ROOT / known.m) if not Path(known.m).is_absolute() else known.m)
+    sys_argv, sys.argv = sys.argv, ["estimate_memory.py", *argv]
+    try:
+        args = estimate_memory.parse_args()
+    finally:
+        sys.argv = sys_argv
+    return estimate_memory.estimate_step(estimate_memory.load_config(args.model_name),
+                                         estimate_memory.layout_from_args(args))
+
+
+def compare(result):
+    """[(row, dry run bytes, estimate bytes)]: what both count, by the estimator's categories."""
+    held, peak, est = result["held"], result["peak"], result["estimate"]
+
+    def get(snap, *names):
+        return sum(snap.get(name, 0) for name in names)
+
+    params = ("Sharded Param", "Parameter")
+    grads = ("Sharded Grad", "Gradient")
+    counters = result["step_counter_bytes"]
+    dry_peak_other = peak["Total"] - get(peak, *params, "Optstate", "OptState", "Activation")
+    est_other = est["peak_bytes"] - est["params_bytes"] - est["optimizer_bytes"] - est["activations_bytes"]
+    return [("parameters", get(held, *params), est["params_bytes"]),
+            ("gradients", get(held, *grads), est["grads_bytes"]),
+            ("optimizer state", get(held, "Optstate", "OptState") - counters, est["optimizer_bytes"]),
+            ("activations at the peak", get(peak, "Activation"), est["activations_bytes"]),
+            ("the rest at the peak", dry_peak_other, est_other),
+            ("peak", peak["Total"], est["peak_bytes"])]
+
+
+def print_table(result):
+    print(f"dry run of {result['chapter']}, rank {result['rank']} of {result['world_size']}, batch size "
+          f"{result['batch_size']} x {result['seq_length']} tokens: {result['seconds']:.0f} s (fake process group, "
+          f"fake tensors, {result['tracker']})")
+    print(f"  {'MB on this rank':28s} {'dry run':>10s} {'estimate':>10s}")
+    for row, dry, est in compare(result):
+        print(f"  {row:28s} {dry / MB:10.1f} {est / MB:10.1f}" + (f"  {dry / est - 1:+.0%}" if est else ""))
+    print(f"  the tracker's categories at the peak: " + ", ".join(
+        f"{name} {value / MB:.1f}" for name, value in result["peak"].items() if name != "Total"))
+
+
+if __name__ == "__main__":
+    main()
