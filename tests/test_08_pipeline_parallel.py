@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from helpers import (CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
-                     max_difference, read_losses, read_metrics, run, torchrun, train)
+                     max_difference, read_losses, read_metrics, run, torchrun, train, with_faults)
 
 sys.path.insert(0, str(REPO / "tools"))
 import estimate_memory  # noqa: E402
@@ -271,6 +271,28 @@ def test_a_checkpoint_resumes_exactly_at_the_same_layout_at_another_pp_and_in_ch
         assert loss_difference <= 1e-5 and weight_difference <= 2e-4
 
 
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_to_resume_from(env, runs, tmp_path):
+    """Resumed at pp 2 after step 3, saving every step, every rank dies inside the step-5 save (the 2nd dcp.save of
+    that run, after its shards are written, before the folder is renamed); resumed again from checkpoint-00000004
+    to step 6. Together: the uninterrupted run's losses and weights."""
+    _, straight = layout_run(runs, env, "pp2-1f1b")
+    resumed_copy(runs, env, tmp_path)
+    nproc, flags = LAYOUTS["pp2-1f1b"]
+    crash_env = with_faults(env, FAULT_KILL_ON_CALL="torch.distributed.checkpoint.save:2")
+    result, crashed = train("08", crash_env, tmp_path, *COMMON, *flags, "--ckpt-freq", "1", nproc=nproc,
+                            experiment="resumed", check=False)
+    assert result.returncode != 0 and f"checkpoint-{HALF:08d} at step {HALF}" in result.stdout
+    assert sorted(path.name for path in crashed.iterdir() if "checkpoint" in path.name) == [
+        "checkpoint-00000004", "tmp-checkpoint-00000005"]
+    result, _ = train("08", env, tmp_path, *COMMON, *flags, nproc=nproc, experiment="resumed")
+    assert "checkpoint-00000004 at step 4" in result.stdout
+    loss_difference = max_difference(read_losses(straight), read_losses(crashed))
+    weight_difference = largest_weight_difference(straight / FINAL_CHECKPOINT, crashed / FINAL_CHECKPOINT, tmp_path)
+    print(f"\npp2-1f1b: exit after {HALF}, crash in the save of 5, resume from 4: largest loss difference "
+          f"{loss_difference:.1e}, largest weight difference {weight_difference:.1e}")
+    assert loss_difference <= 1e-6 and weight_difference == 0.0
+
+
 def test_chapter_04s_converter_turns_a_pipeline_checkpoint_into_a_hugging_face_model(env, runs, tmp_path):
     """convert_to_hf.py of chapter 04 reads the shards of both stages into one model: from_pretrained() gives the
     checkpoint's weights, every one of them, exactly."""
@@ -382,5 +404,16 @@ def test_an_empty_data_file_stops_every_rank_with_the_one_line(env, tmp_path):
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 2 and all(line.startswith("error: cannot load the data set") and "(it holds no data)" in line
+                                    for line in errors), result.stderr[-3000:]
+    assert "train_llm.py\", line" not in result.stderr and "Connection closed" not in result.stderr
+
+
+def test_a_missing_text_column_stops_every_rank_with_the_one_line(env, tmp_path):
+    # Sharded, under torchrun: every rank ends with the chapter's error line, promptly (no rank waits for another
+    # at a collective until the timeout), and without a traceback.
+    result, _ = train("08", env, tmp_path, *COMMON, "--text-column", "nope", nproc=2, check=False, timeout=120)
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and all(line.startswith("error: the data set has no column 'nope' of text")
                                     for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr and "Connection closed" not in result.stderr
