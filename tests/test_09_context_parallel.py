@@ -2,7 +2,7 @@
 computes what full causal attention computes, module by module; CPU processes under torchrun (gloo) train exactly as
 chapter 01 does on the same global batch, at cp 2 and at dp 2 x cp 2, on sequences of 256 tokens; resume is exact,
 at the same --cp and at another; bad inputs get a one-line error; activation memory per rank falls as 1/cp and load
-balancing evens out the ranks' attention work; the README's CPU command runs and it explains every definition the
+balancing evens out the ranks' attention work; the README's CPU commands run and it explains every definition the
 diff from chapter 04 adds or changes.
 
 `pytest -s` prints the figures. Every training run takes 6 steps of 4 sequences of 256 tokens (global batch).
@@ -257,13 +257,14 @@ def test_the_readme_cpu_commands_train(env, tmp_path):
                 and f"{CHAPTERS['09']}/train_llm.py" in line]
     cpu_commands = [command for command in commands if "-m" not in command]
     assert cpu_commands, "the README shows no CPU command"
-    # The first one as written, from a scratch folder and shortened to 2 steps; the others are layouts tested above.
-    command = cpu_commands[0]
-    result = run([*command[:command.index(f"{CHAPTERS['09']}/train_llm.py")], script("09"),
-                  *command[command.index(f"{CHAPTERS['09']}/train_llm.py") + 1:], "--max-steps", "2"], env, tmp_path,
-                 timeout=600)
-    assert [record["step"] for record in read_metrics(tmp_path / "outputs" / "quickstart")] == [2]
-    assert "done: step 2 of 2" in result.stdout
+    # Each as written, from a scratch folder of its own (they share an experiment name) and shortened to 2 steps.
+    for number, command in enumerate(cpu_commands):
+        at = command.index(f"{CHAPTERS['09']}/train_llm.py")
+        (tmp_path / str(number)).mkdir()
+        result = run([*command[:at], script("09"), *command[at + 1:], "--max-steps", "2"], env, tmp_path / str(number),
+                     timeout=600)
+        assert [record["step"] for record in read_metrics(tmp_path / str(number) / "outputs" / "quickstart")] == [2]
+        assert f"rank {int(command[3]) - 1} of {command[3]}" in result.stdout and "done: step 2 of 2" in result.stdout
 
 
 def test_the_readme_explains_every_definition_the_diff_adds_or_changes():
