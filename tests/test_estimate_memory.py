@@ -1,9 +1,10 @@
 """tools/estimate_memory.py against what the chapters' scripts really hold and send, measured by tools/measure_step.py
 (which runs a chapter unchanged, counting every collective and every tensor): parameters, gradients and optimizer
 state to the byte, per rank, at world sizes 1, 2 and 4, on the bundled tiny Llama and on a tiny Qwen2 (biases, and a
-hidden size of 130 that FSDP cannot split evenly over 4 ranks); the bytes DDP, FSDP and tensor parallelism send per
-step against the textbook formulas and the estimate, within 1%, pipeline (08) and ring-attention (09) sends
-included; the peak of a step's activations and transient buffers within 15%.
+hidden size of 130 that FSDP cannot split evenly over 4 ranks), FSDP in bf16 and with gradient accumulation too; the
+bytes DDP, FSDP and tensor parallelism send per step against the textbook formulas and the estimate, within 1%,
+pipeline (08) and ring-attention (09) sends included; the peak of a step's activations and transient buffers within
+15% (bf16's is open: BF16_PEAK_OPEN).
 
 Every run trains one step of 2 sequences of 64 tokens, once per module. To check a new chapter, add its layouts to
 CASES: the chapter, the processes, the model, its flags, and the estimator's flags for the same layout.
@@ -33,6 +34,8 @@ CASES = {
     "02 zero1 qwen2 ws4": ("02", 4, "qwen2", ["--zero1"], {"dp": 4, "zero1": True}),
     "04 llama ws2": ("04", 2, "llama", [], {"dp": 2, "fsdp": True}),
     "04 qwen2 ws4": ("04", 4, "qwen2", [], {"dp": 4, "fsdp": True}),
+    "04 llama ws2 bf16": ("04", 2, "llama", ["--dtype", "bfloat16"], {"dp": 2, "fsdp": True, "dtype": "bfloat16"}),
+    "04 llama ws2 grad-accum 2": ("04", 2, "llama", ["--grad-accum", "2"], {"dp": 2, "fsdp": True, "grad_accum": 2}),
     "05 checkpointing llama ws1": ("05", None, "llama", ["--activation-checkpointing"],
                                    {"fsdp": True, "split_root_group": True, "activation_checkpointing": True}),
     "06 llama ws2": ("06", 2, "llama", [], {"tp": 2}),
@@ -92,7 +95,7 @@ def estimate(models, name, rank=0, case=None):
     _, _, model, _, layout = case or CASES[name]
     config = estimate_memory.load_config(models[model])
     return estimate_memory.estimate_step(config, estimate_memory.Layout(
-        batch_size=2, seq_length=64, dtype="float32", rank=rank, **layout))
+        **{"batch_size": 2, "seq_length": 64, "dtype": "float32", "rank": rank, **layout}))
 
 
 def sent_by_kind(collectives):
@@ -130,7 +133,13 @@ def test_the_estimate_is_the_memory_each_rank_holds(measured_runs, env, workdir,
     print("\n".join(lines))
 
 
-@pytest.mark.parametrize("name", CASES)
+# NOTE: measured here: FSDP's bf16 step peaks at 29.37 MB above its start, estimated 23.14 MB (ratio 0.788); the
+# estimator's bf16 activations and buffers on CPUs are not yet resolved (07's dry run is 37% off too).
+BF16_PEAK_OPEN = pytest.mark.xfail(strict=True, reason="bf16 FSDP peak estimated 21% low: open")
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=BF16_PEAK_OPEN) if "bf16" in name else name
+                                  for name in CASES])
 def test_the_estimated_peak_of_a_step_is_within_15_percent_of_the_measured_one(measured_runs, env, workdir, models,
                                                                                 name):
     _, measurements = measure(measured_runs, env, workdir, models, name)
@@ -180,25 +189,28 @@ def test_ddp_all_reduces_2_psi_times_n_minus_1_over_n(measured_runs, env, workdi
         assert sent["broadcast"] == pytest.approx(psi * (world_size - 1) / world_size, rel=0.01)
 
 
-@pytest.mark.parametrize("name", ["04 llama ws2", "04 qwen2 ws4"])
+@pytest.mark.parametrize("name", ["04 llama ws2", "04 qwen2 ws4", "04 llama ws2 bf16", "04 llama ws2 grad-accum 2"])
 def test_fsdp_all_gathers_and_reduce_scatters_3_psi_times_n_minus_1_over_n(measured_runs, env, workdir, models, name):
-    # 3 psi: the weights all-gathered for forward and again for backward, the gradients reduce-scattered; minus
-    # the groups chapter 04 does not free after forward (the last decoder layer and the root group), which
-    # backward finds still gathered. On the CPU everything is fp32: 4 bytes per parameter each time.
-    _, world_size, model, _, _ = CASES[name]
+    # 3 psi per micro-batch: the weights all-gathered for forward and again for backward, the gradients
+    # reduce-scattered; minus the groups chapter 04 does not free after forward (the last decoder layer and the root
+    # group), which backward finds still gathered. The weights are gathered in the compute dtype (2 bytes a parameter
+    # in bf16, 4 in fp32); the gradients are reduced in fp32 (MixedPrecisionPolicy's reduce_dtype).
+    _, world_size, model, _, layout = CASES[name]
     _, measurements = measure(measured_runs, env, workdir, models, name)
     parameters = estimate_memory.model_parameters(estimate_memory.load_config(models[model]))
     last_layer = max(p.layer for p in parameters if p.layer is not None)
-    psi = 4 * sum(estimate_memory.numel(p.shape) for p in parameters)
-    kept = 4 * sum(estimate_memory.numel(p.shape) for p in parameters if p.layer in (None, last_layer))
-    fraction = (world_size - 1) / world_size
+    numel = sum(estimate_memory.numel(p.shape) for p in parameters)
+    kept_numel = sum(estimate_memory.numel(p.shape) for p in parameters if p.layer in (None, last_layer))
+    width, micro_batches = (2 if layout.get("dtype") == "bfloat16" else 4), layout.get("grad_accum", 1)
+    gathered = micro_batches * width * (2 * numel - kept_numel) * (world_size - 1) / world_size
+    reduced = micro_batches * 4 * numel * (world_size - 1) / world_size
     for rank, measurement in sorted(measurements.items()):
         sent = sent_by_kind(measurement["steps"][0]["collectives"])
-        print(f"{name} rank {rank}: all-gather {sent['all_gather']:,.0f} bytes vs (2 psi - kept) (N-1)/N = "
-              f"{(2 * psi - kept) * fraction:,.0f}; reduce-scatter {sent['reduce_scatter']:,.0f} vs psi (N-1)/N = "
-              f"{psi * fraction:,.0f}")
-        assert sent["all_gather"] == pytest.approx((2 * psi - kept) * fraction, rel=0.01)
-        assert sent["reduce_scatter"] == pytest.approx(psi * fraction, rel=0.01)
+        print(f"{name} rank {rank}: all-gather {sent['all_gather']:,.0f} bytes vs {micro_batches} x {width} x "
+              f"(2 psi - kept) (N-1)/N = {gathered:,.0f}; reduce-scatter {sent['reduce_scatter']:,.0f} vs "
+              f"{micro_batches} x 4 psi (N-1)/N = {reduced:,.0f}")
+        assert sent["all_gather"] == pytest.approx(gathered, rel=0.01)
+        assert sent["reduce_scatter"] == pytest.approx(reduced, rel=0.01)
 
 
 def test_tensor_parallel_sends_what_chapter_06_says_per_layer(measured_runs, env, workdir, models):

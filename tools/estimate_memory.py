@@ -569,6 +569,8 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     # NOTE: DDP's gradients are views into its buckets, allocated when the model is wrapped: they exist before
     # the step. Every other chapter frees them after the optimizer step (zero_grad(set_to_none=True)).
     grads_exist_at_start = layout.dp > 1 and not fsdp and not layout.zero2
+    # NOTE: with gradient accumulation the last micro-batch's backward runs with every (sharded) gradient there.
+    accumulated = state["grads_bytes"] if layout.grad_accum > 1 and not grads_exist_at_start else 0
     layer_groups = sorted((g for g in groups.values() if g.layer is not None), key=lambda g: g.layer)
     other_groups = [g for g in groups.values() if g.layer is None]
     kept_gathered = sum(g.full_bytes for g in groups.values() if fsdp and not g.reshard_after_forward)
@@ -585,7 +587,7 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     phases = {}
     saved = activations["saved_bytes"]
     phases["start of backward"] = saved + activations["loss_backward_bytes"] + kept_gathered
-    grads_done = 0 if grads_exist_at_start else head_gradients(other_groups, layout, widths)
+    grads_done = accumulated or (0 if grads_exist_at_start else head_gradients(other_groups, layout, widths))
     layer_activations = activations["layer_bytes"] * activations["in_flight"]
     kept = activations["layer_input_bytes"] if layout.activation_checkpointing else layer_activations
     # NOTE: a layer recomputed under activation checkpointing holds about a quarter more than its saved tensors
@@ -615,9 +617,10 @@ def simulate_step(state, activations, groups, dims, layout, widths):
             end = (live_below + group.grad_full_bytes + 4 * group.padded_numel * (1 + 1 / layout.fsdp_shards)
                    + gathered + grads_done)
         else:
-            end = live_below + (0 if grads_exist_at_start else group.grad_full_bytes) + grads_done + flowing / 3
+            own_grads = 0 if grads_exist_at_start or accumulated else group.grad_full_bytes
+            end = live_below + own_grads + grads_done + flowing / 3
         phases[f"backward of layer {group.layer}"] = max(middle, end)
-        grads_done += 0 if grads_exist_at_start else sharded_grad(group)
+        grads_done += 0 if grads_exist_at_start or accumulated else sharded_grad(group)
     # The end of backward: every gradient, and the one arriving at the embedding (whole under TP); with FSDP the
     # last group's unsharded gradients and its reduce-scatter buffers (chapter 04's root group, chapter 05's
     # embedding).
@@ -625,7 +628,7 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     if fsdp:
         last = groups.get("embedding") or groups.get("root")
         if last is not None:
-            others = sum(sharded_grad(g) for g in groups.values() if g is not last)
+            others = accumulated or sum(sharded_grad(g) for g in groups.values() if g is not last)
             phases["end of backward"] = (others + last.grad_full_bytes + (kept_gathered if layout.pp > 1 else 0)
                                          + 4 * last.padded_numel * (1 + 1 / layout.fsdp_shards) + into_embedding)
     elif not grads_exist_at_start:
