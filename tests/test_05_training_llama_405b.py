@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, COUNTING_RUN, FAST_ARGS, GRAD_NORM_TOLERANCE, REPO, TINY_MODEL, FakeFlashAttention,
+from helpers import (CHAPTERS, COUNTING_RUN, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL,
+                     FakeFlashAttention,
                      checkpoint_weights, counted, error_line, grad_norm_difference, load_script, logged_parameter_count,
                      max_difference, read_losses, read_metrics, run, script, torchrun, train)
 
@@ -181,6 +182,19 @@ if rank == 0:
     print(json.dumps(every_rank))
 dist.destroy_process_group()
 """
+
+
+def test_from_the_seed_without_clipping_it_trains_chapter_01s_curve(runs, env, tied_model):
+    """The tied model's parity run above, with clipping that binds at no step (NO_CLIPPING): the gradients are
+    applied as computed, and their norm is chapter 01's at every step."""
+    _, single = runs.train("01", env, "-m", tied_model, *STEPS, "--batch-size", "4", *NO_CLIPPING)
+    _, from_seed = runs.train("05", env, "-m", tied_model, *STEPS, "--batch-size", "2", *NO_CLIPPING, nproc=2)
+    difference = max_difference(read_losses(single), read_losses(from_seed))
+    norm_difference = grad_norm_difference(single, from_seed, clipped=False)
+    print(f"\ntied model unclipped, 2 ranks x 2 vs chapter 01 batch 4: largest loss difference {difference:.1e}, "
+          f"relative gradient norm difference {norm_difference:.1e} over 6 steps")
+    assert difference <= 1e-5
+    assert norm_difference <= GRAD_NORM_TOLERANCE
 
 
 def test_every_rank_holds_its_own_slices_of_the_safetensors(runs, env, tmp_path):
