@@ -20,8 +20,8 @@ import uuid
 
 import pytest
 
-from helpers import (CHAPTERS, FAST_ARGS, GRAD_NORM_TOLERANCE, REPO, cold_start, error_line, grad_norm_difference,
-                     loss_and_weight_differences, read_losses, run, run_together, script)
+from helpers import (CHAPTERS, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, cold_start, error_line,
+                     grad_norm_difference, loss_and_weight_differences, read_losses, run, run_together, script)
 
 CHAPTER = REPO / CHAPTERS["03"]
 FAULTS = REPO / "tests" / "faults"
@@ -34,9 +34,9 @@ LAUNCH_TIMEOUT = 600
 START_THE_CLUSTER = 'start the local test cluster first: eval "$(.ci/launchers.sh up /tmp/slurm-state)"'
 
 
-def reference_run(runs, env):
+def reference_run(runs, env, *clipping):
     """Chapter 02 under torchrun --standalone with 2 processes: what every launcher must reproduce."""
-    return runs.train("02", env, *ARGS, nproc=2)
+    return runs.train("02", env, *ARGS, *clipping, nproc=2)
 
 
 def unavailable(reason):
@@ -124,11 +124,11 @@ def torchrun_agent(port, rdzv_id, *torchrun_args):
             "--local-addr", "127.0.0.1", *torchrun_args]
 
 
-def assert_matches_reference(runs, env, experiment, what):
-    _, reference = reference_run(runs, env)
+def assert_matches_reference(runs, env, experiment, what, clipping=()):
+    _, reference = reference_run(runs, env, *clipping)
     assert len(read_losses(experiment)) == STEPS
     loss_difference, weight_difference = loss_and_weight_differences(reference, experiment, FINAL_CHECKPOINT)
-    norm_difference = grad_norm_difference(reference, experiment, clipped=True)
+    norm_difference = grad_norm_difference(reference, experiment, clipped=not clipping)
     print(f"\n{what} vs chapter 02 (torchrun, 2 processes): largest loss difference {loss_difference:.1e}, "
           f"largest weight difference {weight_difference:.1e}, relative gradient norm difference "
           f"{norm_difference:.1e} after {STEPS} steps")
@@ -165,15 +165,17 @@ def test_mpirun_matches_chapter_02(env, runs, mpirun, repo_lookalike):
     assert_matches_reference(runs, env, repo_lookalike / "outputs" / "mpirun", "mpirun")
 
 
-def test_two_torchrun_agents_act_as_two_nodes_and_match_chapter_02(env, runs, tmp_path):
+# Clipping at 1.0 binds at every step of every launcher's run, and at none with NO_CLIPPING.
+@pytest.mark.parametrize("clipping", [[], NO_CLIPPING], ids=["clipped", "unclipped"])
+def test_two_torchrun_agents_act_as_two_nodes_and_match_chapter_02(env, runs, tmp_path, clipping):
     port = free_port()
-    agent = [*torchrun_agent(port, "two-nodes"), script("03"), *train_args(tmp_path, "two-agents")]
+    agent = [*torchrun_agent(port, "two-nodes"), script("03"), *train_args(tmp_path, "two-agents"), *clipping]
     results = run_together([agent, agent], env, tmp_path, timeout=LAUNCH_TIMEOUT)
     for result in results:
         assert result.returncode == 0, result.stderr[-5000:]
     output = "".join(result.stdout for result in results)
     assert "rank 0 of 2 (local rank 0)" in output and "rank 1 of 2 (local rank 0)" in output
-    assert_matches_reference(runs, env, tmp_path / "outputs" / "two-agents", "two torchrun agents")
+    assert_matches_reference(runs, env, tmp_path / "outputs" / "two-agents", "two torchrun agents", clipping)
 
 
 def test_a_killed_rank_is_restarted_resumes_and_ends_as_an_uninterrupted_run(env, runs, tmp_path):
