@@ -405,6 +405,8 @@ class FakeFlashAttention:
 
     def flash_attn_varlen_func(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                softmax_scale=None, causal=False):
+        import torch
+
         self.calls["flash_attn_varlen_func"] += 1
         assert cu_seqlens_q.dtype == torch.int32 and isinstance(max_seqlen_q, int) and isinstance(max_seqlen_k, int)
         bounds = cu_seqlens_q.tolist()

@@ -77,40 +77,46 @@ def test_no_host_sync_and_only_bf16_matmuls_in_a_step(env, workdir, name):
             assert step["matmuls"] and not other, f"{name} rank {rank} step {step['step']}: {other}"
 
 
-# NOTE: transformers picks the flash kernel by the implementation's name, which also names its mask function: its mask
-# creation still reads position_ids on the host, once per forward (masking_utils.find_packed_sequence_indices).
-@pytest.mark.xfail(strict=True, reason="flash_attention_2: one host sync per forward in transformers' mask creation")
-def test_the_flash_attention_path_has_no_host_sync(monkeypatch):
+def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monkeypatch):
     """transformers' flash-attention path, with flash-attn's functions computed by SDPA on the CPU (as in test_05),
-    through the chapters' get_attention_kwargs() (byte-identical in every chapter, test_drift): a forward and
-    backward at batch size 1 and 2 with no host sync, and the loss SDPA gives."""
+    through the chapters' attention_implementation() and get_attention_kwargs() (byte-identical in every chapter,
+    test_drift): a forward and backward at batch size 1 and 2 give SDPA's loss, SDPA with no host sync, and flash
+    attention with exactly one per forward, in transformers' mask creation.
+
+    NOTE: transformers picks the flash kernel by the implementation's name, which also names its mask function, and
+    that reads position_ids on the host (masking_utils.find_packed_sequence_indices): no name or input skips it.
+    """
     import transformers.modeling_flash_attention_utils as flash_utils
 
     fake = FakeFlashAttention()
+    process = flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func)
+    # NOTE: transformers 5.24 returns a pair of processing functions (plain, with a KV cache), 5.17 the plain one.
+    processes = (process, dict) if hasattr(flash_utils, "_process_with_kvcache_kwargs_fn") else process
     monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
-        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None),
-        (flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func), dict)))
+        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None), processes))
     config = AutoConfig.from_pretrained(TINY_MODEL)
-    for chapter_name in ["01"]:
-        chapter = load_script(chapter_name)
-        losses = {}
-        for attn_implementation in ("sdpa", "flash_attention_2"):
-            torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(
-                config, attn_implementation=chapter.attention_implementation(attn_implementation), dtype=torch.float32)
-            for batch_size in (1, 2):
-                input_ids = torch.randint(0, config.vocab_size, (batch_size, 64),
-                                          generator=torch.Generator().manual_seed(batch_size))
-                kwargs = chapter.get_attention_kwargs(attn_implementation, input_ids)
-                meter = StepMeter(None)
-                meter.current = {"host_syncs": defaultdict(int), "matmuls": defaultdict(int),
-                                 "in_forward_backward": False}
-                with make_dispatch_mode(meter):
-                    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False, **kwargs).loss
-                    loss.backward()
-                syncs = dict(meter.current["host_syncs"])
-                assert not syncs, f"{chapter_name} {attn_implementation} batch size {batch_size}: {syncs}"
-                losses[attn_implementation, batch_size] = loss.item()
+    chapter = load_script("01")
+    torch.manual_seed(0)
+    # NOTE: built with SDPA (from_config refuses flash_attention_2 without flash-attn), then switched per forward.
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    losses, syncs = {}, {}
+    for attn_implementation in ("sdpa", "flash_attention_2"):
+        model.config._attn_implementation = chapter.attention_implementation(attn_implementation)
         for batch_size in (1, 2):
-            assert abs(losses["sdpa", batch_size] - losses["flash_attention_2", batch_size]) <= 1e-5, chapter_name
-    assert fake.calls["flash_attn_func"] == 0 and fake.calls["flash_attn_varlen_func"] > 0
+            input_ids = torch.randint(0, config.vocab_size, (batch_size, 64),
+                                      generator=torch.Generator().manual_seed(batch_size))
+            kwargs = chapter.get_attention_kwargs(attn_implementation, input_ids)
+            meter = StepMeter(None)
+            meter.current = {"host_syncs": defaultdict(int), "matmuls": defaultdict(int), "in_forward_backward": False}
+            with make_dispatch_mode(meter):
+                loss = model(input_ids=input_ids, labels=input_ids, use_cache=False, **kwargs).loss
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+            syncs[attn_implementation, batch_size] = dict(meter.current["host_syncs"])
+            losses[attn_implementation, batch_size] = loss.item()
+    for batch_size in (1, 2):
+        assert syncs["sdpa", batch_size] == {}, (batch_size, syncs["sdpa", batch_size])
+        flash_syncs = syncs["flash_attention_2", batch_size]
+        assert sum(flash_syncs.values()) == 1 and all("masking_utils.py" in key for key in flash_syncs), flash_syncs
+        assert abs(losses["sdpa", batch_size] - losses["flash_attention_2", batch_size]) <= 1e-5, losses
+    assert fake.calls["flash_attn_func"] == 0 and fake.calls["flash_attn_varlen_func"] == 2 * config.num_hidden_layers
