@@ -358,7 +358,7 @@ def test_a_failed_shared_run_leaves_nothing_for_the_next_one(tmp_path, monkeypat
 
     experiments = []
 
-    def fails_after_a_checkpoint(chapter, env, workdir, *args, nproc=None, experiment="run"):
+    def fails_after_a_checkpoint(chapter, env, workdir, *args, nproc=None, experiment="run", launcher=None):
         folder = Path(workdir) / "outputs" / experiment
         experiments.append((experiment, sorted(path.name for path in folder.glob("*"))))
         (folder / "checkpoint-00000002").mkdir(parents=True)
