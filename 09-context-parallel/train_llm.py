@@ -769,8 +769,8 @@ def attention_block_backward(grad_output, query, key, value, lse, delta, scale, 
 
 
 def block_scores(query, key, scale, causal):
-    """The attention scores of a block, (batch, kv_heads, heads / kv_heads x queries, keys): a product in the compute
-    dtype, in fp32.
+    """The attention scores of a block, (batch, kv_heads, heads / kv_heads x queries, keys): multiplied in the compute
+    dtype, returned in fp32.
 
     NOTE: grouped-query attention: the heads / kv_heads query heads that share a key/value head are stacked as rows
     of one matrix product with it, so the key/value heads are never repeated (neither in memory nor on the wire).
