@@ -165,19 +165,19 @@ def make_tiny_dataset(tmp_path):
 
 
 BAD_INPUTS = {
-    "missing model": (lambda tmp: ["-m", str(tmp / "no-such-model")], "cannot load a model config"),
-    "missing dataset": (lambda tmp: ["-d", str(tmp / "no-such-data")], "cannot load the data set"),
-    "sequence too long": (lambda tmp: ["--seq-length", "4096"], "longer than the model's maximum of 1024"),
-    "dataset too small": (lambda tmp: ["-d", str(make_tiny_dataset(tmp))], "fewer than the 4 one optimizer step needs"),
+    "missing model": (lambda tmp: ["-m", str(tmp / "no-such-model")], "cannot load -m "),
+    "missing dataset": (lambda tmp: ["-d", str(tmp / "no-such-data")], "cannot load -d "),
+    "sequence too long": (lambda tmp: ["--seq-length", "4096"], "exceeds the model's 1024 positions"),
+    "dataset too small": (lambda tmp: ["-d", str(make_tiny_dataset(tmp))], "are fewer than one step's 4"),
     "zero batch size": (lambda tmp: ["--batch-size", "0"], "--batch-size must be at least 1"),
-    "missing text column": (lambda tmp: ["--text-column", "content"], "no column 'content'"),
+    "missing text column": (lambda tmp: ["--text-column", "content"], "no text column 'content'"),
     "empty file": (lambda tmp: ["-d", str(write(tmp / "empty.jsonl", ""))], "(it holds no data)"),
     "folder without data files": (lambda tmp: ["-d", str(write(tmp / "notes" / "notes.md", "# notes").parent)],
-                                  "or a file or folder of .jsonl"),
+                                  "pass a hub name, or .jsonl"),
     "another format than its extension": (lambda tmp: ["-d", str(write(tmp / "data.jsonl", "text\nhello\n"))],
                                           "(JSON parse error"),
     "a column of numbers": (lambda tmp: ["-d", str(write(tmp / "numbers.jsonl", '{"text": 5}\n'))],
-                            "no column 'text' of text (its columns: {'text': 'int64'})"),
+                            "no text column 'text' (columns: {'text': 'int64'})"),
 }
 
 
