@@ -13,13 +13,13 @@ card.json and card.md are rewritten after every run, so a card cut short keeps w
    the ceiling, the losses against chapter 01's, and a host-sync audit: torch.cuda.set_sync_debug_mode("warn") from
    the end of step 1 on, counting the syncs in the steps that neither are nor follow a logging step (target: 0).
    The audit, and the stop before the final checkpoint (15 GB for this model), are put into the processes by
-   tools/gpu_card_site: no card code in the chapters. CHAPTER_ARGS below holds each chapter's extra arguments.
+   dev/gpu_card_site: no card code in the chapters. CHAPTER_ARGS below holds each chapter's extra arguments.
 3. Checks, in parallel on the tiny model: a process with LOCAL_RANK=1 that sees one GPU trains (every chapter but
    01; issue 12 item 8), and flash_attention_2's one-line error where flash-attn does not import.
 4. Chapter 05's options, fine-tuning from a folder holding exactly the seeded initial weights, each compared with
    the plain fine-tune (whose losses must equal the seeded run's): --activation-checkpointing, --compile, and
    --attn-implementation flash_attention_2 when flash-attn imports.
-5. The step-overhead benchmark (tools/benchmark_step_overhead.py) for chapters 01 and 04: the bare loop and the
+5. The step-overhead benchmark (dev/benchmark_step_overhead.py) for chapters 01 and 04: the bare loop and the
    chapter in fresh processes, alternated 3 times; medians and their ratio (target: within 5%). And chapter 09's
    ring attention block, forward and backward, against SDPA's flash kernel on one GPU (TFLOP/s), since at world
    size 1 chapters 08 and 09 exercise no pipeline and no ring (their rows say so).
@@ -29,13 +29,13 @@ card.json and card.md are rewritten after every run, so a card cut short keeps w
    item 6).
 
 If the budget cuts the card short, the skipped runs are listed; --parts and --only run them on another visit, e.g.
-`python tools/gpu_card.py --only 05 --parts options --out gpu-card-05`.
+`python dev/gpu_card.py --only 05 --parts options --out gpu-card-05`.
 
 Output in --out DIR: card.json, card.md, logs/NAME.log for every run, runs/NAME/metrics.jsonl (and sync_audit.json).
 
 On a machine with CUDA GPUs (torch >= 2.11 with CUDA; nothing is downloaded), from the repository root:
 
-    python tools/gpu_card.py --out gpu-card
+    python dev/gpu_card.py --out gpu-card
 
 The chapters also import datasets and wandb (wandb stays disabled). Where they are missing and there is no
 internet, bring them as wheels. On a machine with pip and internet, in the repository root (for Python 3.12 on
@@ -55,7 +55,7 @@ run with):
 (about 26 MB), then on the GPU machine, from the repository root with .whl in it:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    timeout 590 python3 tools/gpu_card.py --out /tmp/gpu-card; cp /tmp/gpu-card/card.* "$OUT"/
+    timeout 590 python3 dev/gpu_card.py --out /tmp/gpu-card; cp /tmp/gpu-card/card.* "$OUT"/
     tar czf "$OUT"/gpu-card-runs.tgz -C /tmp gpu-card
 
 card.md names every version it found, against the pins. If an import the chapters need fails, the card stops at
@@ -68,11 +68,11 @@ their one-line errors (the 405B combination fails at --cpu-offload, as that row 
 LOCAL_RANK=1 check runs for one chapter and the benchmark for chapter 01 (tests/test_gpu_card.py runs chapter 04's).
 The tests run it:
 
-    python tools/gpu_card.py --cpu --out cpu-card
+    python dev/gpu_card.py --cpu --out cpu-card
 
 From a GPU card, fill the "Measured on a GPU" sections of the READMEs:
 
-    python tools/gpu_card.py --fill-readmes gpu-card
+    python dev/gpu_card.py --fill-readmes gpu-card
 """
 
 import argparse
@@ -93,8 +93,8 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CARD_SITE = REPO / "tools" / "gpu_card_site"
-BENCHMARK = REPO / "tools" / "benchmark_step_overhead.py"
+CARD_SITE = REPO / "dev" / "gpu_card_site"
+BENCHMARK = REPO / "dev" / "benchmark_step_overhead.py"
 GPU_MODEL = REPO / "data" / "llama-3.2-1b-shape"
 CPU_MODEL = REPO / "data" / "tiny-llama"
 
@@ -325,7 +325,7 @@ def run_probe(card, scratch_dir):
             errors = "; ".join(f"{package}: {environment['import_errors'][package]}"
                                for package in environment["missing"])
             card.data["stopped"] = (f"the chapters import {', '.join(environment['missing'])}, which do not import "
-                                    f"here ({errors}); bring them as wheels (python tools/gpu_card.py --help says how)")
+                                    f"here ({errors}); bring them as wheels (python dev/gpu_card.py --help says how)")
         elif card.mode == "gpu" and not environment["cuda"]:
             card.data["stopped"] = "no CUDA GPU here (torch.cuda.is_available() is False); use --cpu"
             environment["missing"] = ["a CUDA GPU"]
@@ -1094,7 +1094,7 @@ def render_markdown(data):
             lines.append(table_row(run, data))
     benchmark = data["benchmark"]
     if benchmark:
-        lines += ["", "Step-overhead benchmark (`tools/benchmark_step_overhead.py`: the bare loop and the chapter in "
+        lines += ["", "Step-overhead benchmark (`dev/benchmark_step_overhead.py`: the bare loop and the chapter in "
                   "fresh processes, alternated; medians):", "",
                   "| chapter | bare loop ms | chapter ms | ratio | overhead | samples (bare; chapter) |",
                   "|" + " --- |" * 6]
@@ -1144,7 +1144,7 @@ def render_markdown(data):
             where = "; ".join(f"{place} x{count}" for place, count in run["syncs"]["where"].items())
             lines.append(f"- {run['name']}: syncs at {where}")
     if data["chapter_args"]:
-        lines += ["", "Per-chapter arguments (`CHAPTER_ARGS` in tools/gpu_card.py, on top of the common ones):", ""]
+        lines += ["", "Per-chapter arguments (`CHAPTER_ARGS` in dev/gpu_card.py, on top of the common ones):", ""]
         lines.append("; ".join(f"{chapter}: {shlex.join(extra) or 'none'}"
                                for chapter, extra in data["chapter_args"].items()))
     lines += ["", f"Every run's log is in `logs/NAME.log`, its metrics in `runs/NAME/metrics.jsonl`; everything "
@@ -1259,12 +1259,12 @@ def fill_readmes(card_dir):
     rows, benchmark and checks in its own."""
     card_md = card_dir / "card.md" if card_dir.is_dir() else card_dir
     if not card_md.exists():
-        raise SystemExit(f"error: {card_md} does not exist; measure a card first: python tools/gpu_card.py --out DIR")
+        raise SystemExit(f"error: {card_md} does not exist; measure a card first: python dev/gpu_card.py --out DIR")
     text = card_md.read_text()
     if not text.startswith("# GPU card"):
         raise SystemExit(f"error: {card_md} is not a GPU card (it was made with --cpu); measure one on a GPU")
     body = text.split("\n", 1)[1].strip()
-    source = f"From `{display_path(card_md)}`, written by `tools/gpu_card.py` (edit the card, not this section)."
+    source = f"From `{display_path(card_md)}`, written by `dev/gpu_card.py` (edit the card, not this section)."
     write_section(REPO / "README.md", f"{source}\n\n{body}")
     header = [line for line in body.split("\n\n")[0].splitlines() if line.startswith("**")]
     for readme in sorted(REPO.glob("[0-9][0-9]-*/README.md")):
@@ -1291,9 +1291,9 @@ def fill_readmes(card_dir):
 
 def not_measured_section():
     return ("Not yet measured on a GPU. On a machine with CUDA GPUs, from the repository root, the first command "
-            "measures every chapter\nin at most 8 minutes (`python tools/gpu_card.py --help` says what and how), "
-            "the second writes the numbers here:\n\n```bash\npython tools/gpu_card.py --out gpu-card\n"
-            "python tools/gpu_card.py --fill-readmes gpu-card\n```")
+            "measures every chapter\nin at most 8 minutes (`python dev/gpu_card.py --help` says what and how), "
+            "the second writes the numbers here:\n\n```bash\npython dev/gpu_card.py --out gpu-card\n"
+            "python dev/gpu_card.py --fill-readmes gpu-card\n```")
 
 
 def write_section(readme, content):
