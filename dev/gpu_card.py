@@ -15,7 +15,8 @@ card.json and card.md are rewritten after every run, so a card cut short keeps w
    The audit, and the stop before the final checkpoint (15 GB for this model), are put into the processes by
    dev/gpu_card_site: no card code in the chapters. CHAPTER_ARGS below holds each chapter's extra arguments.
 3. Checks, in parallel on the tiny model: a process with LOCAL_RANK=1 that sees one GPU trains (every chapter but
-   01; issue 12 item 8), and flash_attention_2's one-line error where flash-attn does not import.
+   01; under one GPU per task cuda:LOCAL_RANK is an invalid ordinal), and flash_attention_2's one-line error where
+   flash-attn does not import.
 4. Chapter 05's options, fine-tuning from a folder holding exactly the seeded initial weights, each compared with
    the plain fine-tune (whose losses must equal the seeded run's): --activation-checkpointing, --compile, and
    --attn-implementation flash_attention_2 when flash-attn imports.
@@ -25,8 +26,8 @@ card.json and card.md are rewritten after every run, so a card cut short keeps w
    size 1 chapters 08 and 09 exercise no pipeline and no ring (their rows say so).
 6. The options that step AdamW on the CPU, in short runs from the same folder (the seeded init of --cpu-offload
    would draw other weights, on the CPU): --cpu-offload; the 405B command's features together; chapter 04 with
-   --cpu-offload; and, when flash-attn imports, the syncs per layer of flash_attention_2 at batch size 1 (issue 12
-   item 6).
+   --cpu-offload; and, when flash-attn imports, the syncs per layer of flash_attention_2 at batch size 1 (its
+   packed-sequence check reads position_ids on the host; target 0).
 
 If the budget cuts the card short, the skipped runs are listed; --parts and --only run them on another visit, e.g.
 `python dev/gpu_card.py --only 05 --parts options --out gpu-card-05`.
@@ -38,19 +39,12 @@ On a machine with CUDA GPUs (torch >= 2.11 with CUDA; nothing is downloaded), fr
     python dev/gpu_card.py --out gpu-card
 
 The chapters also import datasets and wandb (wandb stays disabled). Where they are missing and there is no
-internet, bring them as wheels. On a machine with pip and internet, in the repository root (for Python 3.12 on
-x86-64; the list is datasets and wandb at this repository's pins, and those of their dependencies that an image
-with torch, transformers, tqdm, pandas, pyarrow, requests, protobuf and click lacks, at the versions the CPU tests
-run with):
+internet, bring them as wheels, the ones dev/gpu_card_requirements.txt pins (for Python 3.12 on x86-64). On a
+machine with pip and internet, in the repository root:
 
     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 wandb==0.31.0 cwevals==0.0.1b1 distro==1.9.0 \
-        pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 sniffio==1.3.1 \
-        platformdirs==4.14.9 googleapis-common-protos==1.76.0 opentelemetry-api==1.45.2 \
-        opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
-        opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
-        opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2
+        -d .whl -r dev/gpu_card_requirements.txt
 
 (about 26 MB), then on the GPU machine, from the repository root with .whl in it:
 
@@ -574,8 +568,8 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
                        "--seq-length", "64", "--batch-size", "4", "--max-steps", "2", "--log-freq", "1",
                        "--num-workers", "0", "--wandb-mode", "disabled", "--save-dir", str(runs_dir), "-e", name,
                        *chapter_arguments(chapter, 1, 4)]
-            note = ("issue 12 item 8: one visible GPU, LOCAL_RANK=1 (tiny model, 2 steps and a checkpoint)" if gpu
-                    else "n/a on the CPU: no GPU to pick (runs the same command)")
+            note = ("one visible GPU and LOCAL_RANK=1, where cuda:1 does not exist (tiny model, 2 steps and a "
+                    "checkpoint)" if gpu else "n/a on the CPU: no GPU to pick (runs the same command)")
             plan.append(ProcessRun(name=name, chapter=chapter, options=["LOCAL_RANK=1"], kind="check",
                                    command=command, env=env, parallel=True, note=note, timeout=240))
         if OPTIONS_CHAPTER in chapters and not flash:
@@ -657,7 +651,8 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
                 plan.append(training_run(f"{OPTIONS_CHAPTER}+flash-attention-batch-1", OPTIONS_CHAPTER,
                                          ["--attn-implementation", "flash_attention_2", "--batch-size", "1"],
                                          kind="check", stop_after=log_freq + 1, timeout=180, min_records=1,
-                                         note="issue 12 item 6: syncs per layer at batch size 1 (target 0)"))
+                                         note="syncs per layer at batch size 1 (target 0: no packed-sequence "
+                                              "check on the host)"))
         else:
             plan.append(error_check(f"{OPTIONS_CHAPTER}+cpu-offload", OPTIONS_CHAPTER, ["--cpu-offload"],
                                     OFFLOAD_ERROR, "needs CUDA: its one-line error is checked"))
@@ -1127,7 +1122,7 @@ def render_markdown(data):
         if flash_unmeasured:
             lines.append(f"- {OPTIONS_CHAPTER} --attn-implementation flash_attention_2 --batch-size 1: not measured: "
                          "flash-attn does not import here; a flash-attn wheel built for this torch and CUDA "
-                         "would let the card count its syncs per layer (issue 12 item 6)")
+                         "would let the card count its syncs per layer at batch size 1")
     problems = [run for run in data["runs"] if run["status"] not in ("ok", "expected error")]
     sync_notes = [run for run in data["runs"] if (run.get("syncs") or {}).get("syncs_in_audited_steps")]
     expected_errors = [run for run in data["runs"] if run["status"] == "expected error"]
