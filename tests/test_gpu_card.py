@@ -1,4 +1,4 @@
-"""The GPU card (tools/gpu_card.py) in its CPU mode, its pieces, and the step-overhead benchmark it runs.
+"""The GPU card (dev/gpu_card.py) in its CPU mode, its pieces, and the step-overhead benchmark it runs.
 
 The CPU mode runs the card's whole pipeline on the tiny model, so that the script a GPU visit depends on cannot rot:
 every chapter's row with its numbers, chapter 05's options, the checks, the benchmark and the sync-audit plumbing.
@@ -20,9 +20,10 @@ import pytest
 
 from helpers import REPO, load_script, run
 
-CARD = REPO / "tools" / "gpu_card.py"
-BENCHMARK = REPO / "tools" / "benchmark_step_overhead.py"
-CARD_SITE = REPO / "tools" / "gpu_card_site"
+CARD = REPO / "dev" / "gpu_card.py"
+BENCHMARK = REPO / "dev" / "benchmark_step_overhead.py"
+CARD_SITE = REPO / "dev" / "gpu_card_site"
+WHEELS = REPO / "dev" / "gpu_card_requirements.txt"
 CHAPTER_DIRS = sorted(path.parent.name for path in REPO.glob("[0-9][0-9]-*/train_llm.py"))
 OPTIONS = "05-training-llama-405b"
 
@@ -361,8 +362,18 @@ def test_every_readme_says_it_is_not_yet_measured_and_how_to_measure_it():
         assert headings.count(section_heading) == 1 and text.count("Measured on a GPU\n") == 1, readme
         assert headings[-2] == section_heading, readme
         assert "Not yet measured on a GPU" in section(text)
-        assert "python tools/gpu_card.py --out gpu-card" in section(text)
-        assert "python tools/gpu_card.py --fill-readmes gpu-card" in section(text)
+        assert "python dev/gpu_card.py --out gpu-card" in section(text)
+        assert "python dev/gpu_card.py --fill-readmes gpu-card" in section(text)
+
+
+def test_the_wheels_to_bring_are_exact_pins_with_datasets_and_wandb_at_the_repositorys():
+    def pins(path):
+        return dict(line.split("==") for line in path.read_text().splitlines() if line and not line.startswith("#"))
+
+    wheels, required = pins(WHEELS), pins(REPO / "requirements.txt")
+    for name in ("datasets", "wandb"):
+        assert wheels.get(name) == required[name], f"{WHEELS.relative_to(REPO)} pins {name} unlike requirements.txt"
+    assert f"-d .whl -r {WHEELS.relative_to(REPO)}" in load_card_module().__doc__
 
 
 def test_the_gpu_check_of_chapter_05_is_the_card(env, tmp_path):

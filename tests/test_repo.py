@@ -22,7 +22,7 @@ from helpers import CHAPTERS, REPO, cold_start, read_metrics, run, script, train
 
 EXISTING_CHAPTERS = [chapter for chapter in CHAPTERS if script(chapter).exists()]
 READMES = sorted(REPO.glob("*.md")) + sorted(REPO.glob("*/README.md"))
-REPO_PATH = re.compile(r"(?<![\w/.-])((?:\d\d-[a-z0-9-]+|diagnosing-errors|tools|data|tests|\.ci)/[\w./-]*[\w])")
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:\d\d-[a-z0-9-]+|diagnosing-errors|tools|dev|data|tests|\.ci)/[\w./-]*[\w])")
 # A script that is run, not named as a value (TRAIN_SCRIPT=07-2d-parallel/train_llm.py sbatch ...).
 SCRIPT_CALL = re.compile(r"(?<![=\w/.-])(\d\d-[a-z0-9-]+)/train_llm\.py((?:\s+[^|;&#]+)?)")
 
@@ -105,7 +105,8 @@ def test_every_training_forward_builds_no_kv_cache(chapter):
 ALL_READMES = sorted(path for path in REPO.rglob("*.md") if not any(
     part.startswith(".") or part in ("outputs", "logs") for part in path.relative_to(REPO).parts))
 IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)[^)]*\)|<img[^>]*\ssrc=\"([^\"]+)\"")
-TOOLS_WITH_HELP = ["plot_runs.py", "make_figures.py", "estimate_memory.py", "measure_step.py", "generate.py"]
+TOOLS_WITH_HELP = ["tools/plot_runs.py", "dev/make_figures.py", "tools/estimate_memory.py", "tools/measure_step.py",
+                   "tools/generate.py"]
 
 
 @pytest.mark.parametrize("readme", ALL_READMES, ids=lambda path: str(path.relative_to(REPO)))
@@ -117,17 +118,17 @@ def test_every_image_link_resolves(readme):
 
 
 def test_the_readme_tables_are_what_the_estimator_computes():
-    sys.path.insert(0, str(REPO / "tools"))
+    sys.path.insert(0, str(REPO / "dev"))
     import make_figures
 
     stale = [str(path.relative_to(REPO)) for path, text in make_figures.readme_tables().items()
              if path.read_text() != text]
-    assert not stale, f"tables in {stale} differ from tools/estimate_memory.py: run python tools/make_figures.py --tables"
+    assert not stale, f"tables in {stale} differ from tools/estimate_memory.py: run python dev/make_figures.py --tables"
 
 
 @pytest.mark.parametrize("tool", TOOLS_WITH_HELP)
 def test_every_tool_answers_help(env, tmp_path, tool):
-    result = run([sys.executable, REPO / "tools" / tool, "--help"], env, tmp_path, timeout=120)
+    result = run([sys.executable, REPO / tool, "--help"], env, tmp_path, timeout=120)
     assert result.stdout.startswith("usage: ")
 
 

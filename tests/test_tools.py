@@ -1,5 +1,5 @@
 """The tools that show what the chapters do: plot_runs.py draws metrics.jsonl, generate.py samples from any
-chapter's checkpoint, make_figures.py draws every figure the READMEs show (here in its fast mode)."""
+chapter's checkpoint, dev/make_figures.py draws every figure the READMEs show (here in its fast mode)."""
 
 import json
 import re
@@ -14,6 +14,7 @@ from helpers import REPO, TINY_MODEL, checkpoint_weights, error_line, load_scrip
 
 sys.path.insert(0, str(REPO / "tools"))
 TOOLS = REPO / "tools"
+MAKE_FIGURES = REPO / "dev" / "make_figures.py"
 ONE_STEP = ["--max-steps", "1", "--wandb-mode", "disabled"]
 
 
@@ -94,7 +95,7 @@ def test_make_figures_fast_writes_every_figure_the_readmes_show(env, tmp_path):
     assert {"parity.png", "memory_per_rank.png", "lr_schedule.png", "activation_checkpointing.png",
             "pipeline-schedules.png", "load-balanced-layout.png"} <= shown.keys()
     out_dir = tmp_path / "figures"
-    run([sys.executable, TOOLS / "make_figures.py", "--fast", "--out-dir", out_dir, "--work-dir", tmp_path / "work"],
+    run([sys.executable, MAKE_FIGURES, "--fast", "--out-dir", out_dir, "--work-dir", tmp_path / "work"],
         env, tmp_path, timeout=1800)
     for name, committed in sorted(shown.items()):
         assert (out_dir / name).read_bytes().startswith(b"\x89PNG"), f"make_figures.py did not draw {name}"

@@ -1,4 +1,4 @@
-"""What tools/gpu_card.py adds to a chapter's training processes, without a line of card code in the chapters.
+"""What dev/gpu_card.py adds to a chapter's training processes, without a line of card code in the chapters.
 
 Python imports this file at start-up when its folder is on PYTHONPATH, as the card and the step-overhead benchmark
 put it; it acts only in a process whose script is a chapter's train_llm.py. Each part is switched on by a variable:

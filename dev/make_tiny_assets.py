@@ -1,6 +1,6 @@
 """Regenerate the bundled tiny corpus, tokenizer and model definition.
 
-    pip install -r requirements-dev.txt && python tools/make_tiny_assets.py
+    pip install -r requirements-dev.txt && python dev/make_tiny_assets.py
 
 Writes, relative to the repository root:
 

@@ -4,8 +4,8 @@ The chapter's step adds data loading, timers, the LR schedule, gradient clipping
 model, batch and optimizer. This tool times both, each in a fresh process, alternately (bare, chapter, bare, chapter,
 ...) --repeats times, and prints the median step times, their ratio and the overhead; the target is 5%.
 
-    python tools/benchmark_step_overhead.py                           # chapter 01, tiny model, CPU
-    python tools/benchmark_step_overhead.py --chapter 04-fully-sharded-data-parallel -- \
+    python dev/benchmark_step_overhead.py                             # chapter 01, tiny model, CPU
+    python dev/benchmark_step_overhead.py --chapter 04-fully-sharded-data-parallel -- \
         -m data/llama-3.2-1b-shape --seq-length 2048 --batch-size 4   # on a GPU
 
 Arguments after `--` go to the chapter's script (and set the bare loop's model, batch, sequence length, dtype and
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CARD_SITE = REPO_ROOT / "tools" / "gpu_card_site"
+CARD_SITE = REPO_ROOT / "dev" / "gpu_card_site"
 
 
 def main():
@@ -100,7 +100,7 @@ def run_chapter(chapter, script_args, options, steps, nproc, log_file):
     """The chapter's own step time: from its tokens/s over a log window of `steps` steps, after as many warm-up steps.
 
     Within a log window the script synchronizes only at its end, as the bare loop does. The process ends inside the
-    step after that window (tools/gpu_card_site), before it would save a checkpoint.
+    step after that window (dev/gpu_card_site), before it would save a checkpoint.
     """
     launcher = [sys.executable]
     if chapter != "01-single-gpu":

@@ -1,9 +1,9 @@
 """Regenerate every figure in the READMEs from real CPU runs of the chapters, and the tables the READMEs draw from
 tools/estimate_memory.py:
 
-    python tools/make_figures.py            # all figures into docs/figures/ and all tables into the READMEs
-    python tools/make_figures.py --tables   # only the tables (seconds; nothing is trained)
-    python tools/make_figures.py --fast     # few steps, into a temporary folder (what the tests run)
+    python dev/make_figures.py            # all figures into docs/figures/ and all tables into the READMEs
+    python dev/make_figures.py --tables   # only the tables (seconds; nothing is trained)
+    python dev/make_figures.py --fast     # few steps, into a temporary folder (what the tests run)
 
 The figures, and the runs each one is drawn from (the tables below list them; a new chapter adds its runs there):
 
@@ -463,11 +463,11 @@ def readme_tables(runner=None):
     for name, (readme, make_table) in tables.items():
         path = REPO / readme
         text = texts.get(path, path.read_text())
-        pattern = re.compile(rf"(<!-- table: {name}, written by tools/make_figures\.py -->\n)(.*?)(\n<!-- end of table -->)",
+        pattern = re.compile(rf"(<!-- table: {name}, written by dev/make_figures\.py -->\n)(.*?)(\n<!-- end of table -->)",
                              re.DOTALL)
         if not pattern.search(text):
             raise SystemExit(f"error: {readme} has no table marked {name!r}; put the table between "
-                             f"'<!-- table: {name}, written by tools/make_figures.py -->' and '<!-- end of table -->'")
+                             f"'<!-- table: {name}, written by dev/make_figures.py -->' and '<!-- end of table -->'")
         table = make_table()
         texts[path] = pattern.sub(lambda match: match.group(1) + table + match.group(3), text)
     return texts

@@ -4,8 +4,8 @@ With --cpu-offload (chapters 04 and 05) AdamW steps on the CPU, over this rank's
 tool times optimizer.step() over tensors of a model's parameter shapes (the tiny bundled model by default), with the
 per-parameter loop (fused=False, what torch picks on the CPU by default), foreach=True and fused=True.
 
-    python tools/benchmark_adamw.py
-    python tools/benchmark_adamw.py -m meta-llama/Llama-3.2-1B --shards 8     # one rank's shards of 8
+    python dev/benchmark_adamw.py
+    python dev/benchmark_adamw.py -m meta-llama/Llama-3.2-1B --shards 8     # one rank's shards of 8
 """
 
 import argparse

@@ -13,49 +13,43 @@ card.json and card.md are rewritten after every run, so a card cut short keeps w
    the ceiling, the losses against chapter 01's, and a host-sync audit: torch.cuda.set_sync_debug_mode("warn") from
    the end of step 1 on, counting the syncs in the steps that neither are nor follow a logging step (target: 0).
    The audit, and the stop before the final checkpoint (15 GB for this model), are put into the processes by
-   tools/gpu_card_site: no card code in the chapters. CHAPTER_ARGS below holds each chapter's extra arguments.
+   dev/gpu_card_site: no card code in the chapters. CHAPTER_ARGS below holds each chapter's extra arguments.
 3. Checks, in parallel on the tiny model: a process with LOCAL_RANK=1 that sees one GPU trains (every chapter but
-   01; issue 12 item 8), and flash_attention_2's one-line error where flash-attn does not import.
+   01; under one GPU per task cuda:LOCAL_RANK is an invalid ordinal), and flash_attention_2's one-line error where
+   flash-attn does not import.
 4. Chapter 05's options, fine-tuning from a folder holding exactly the seeded initial weights, each compared with
    the plain fine-tune (whose losses must equal the seeded run's): --activation-checkpointing, --compile, and
    --attn-implementation flash_attention_2 when flash-attn imports.
-5. The step-overhead benchmark (tools/benchmark_step_overhead.py) for chapters 01 and 04: the bare loop and the
+5. The step-overhead benchmark (dev/benchmark_step_overhead.py) for chapters 01 and 04: the bare loop and the
    chapter in fresh processes, alternated 3 times; medians and their ratio (target: within 5%). And chapter 09's
    ring attention block, forward and backward, against SDPA's flash kernel on one GPU (TFLOP/s), since at world
    size 1 chapters 08 and 09 exercise no pipeline and no ring (their rows say so).
 6. The options that step AdamW on the CPU, in short runs from the same folder (the seeded init of --cpu-offload
    would draw other weights, on the CPU): --cpu-offload; the 405B command's features together; chapter 04 with
-   --cpu-offload; and, when flash-attn imports, the syncs per layer of flash_attention_2 at batch size 1 (issue 12
-   item 6).
+   --cpu-offload; and, when flash-attn imports, the syncs per layer of flash_attention_2 at batch size 1 (its
+   packed-sequence check reads position_ids on the host; target 0).
 
 If the budget cuts the card short, the skipped runs are listed; --parts and --only run them on another visit, e.g.
-`python tools/gpu_card.py --only 05 --parts options --out gpu-card-05`.
+`python dev/gpu_card.py --only 05 --parts options --out gpu-card-05`.
 
 Output in --out DIR: card.json, card.md, logs/NAME.log for every run, runs/NAME/metrics.jsonl (and sync_audit.json).
 
 On a machine with CUDA GPUs (torch >= 2.11 with CUDA; nothing is downloaded), from the repository root:
 
-    python tools/gpu_card.py --out gpu-card
+    python dev/gpu_card.py --out gpu-card
 
 The chapters also import datasets and wandb (wandb stays disabled). Where they are missing and there is no
-internet, bring them as wheels. On a machine with pip and internet, in the repository root (for Python 3.12 on
-x86-64; the list is datasets and wandb at this repository's pins, and those of their dependencies that an image
-with torch, transformers, tqdm, pandas, pyarrow, requests, protobuf and click lacks, at the versions the CPU tests
-run with):
+internet, bring them as wheels, the ones dev/gpu_card_requirements.txt pins (for Python 3.12 on x86-64). On a
+machine with pip and internet, in the repository root:
 
     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 wandb==0.31.0 cwevals==0.0.1b1 distro==1.9.0 \
-        pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 sniffio==1.3.1 \
-        platformdirs==4.14.9 googleapis-common-protos==1.76.0 opentelemetry-api==1.45.2 \
-        opentelemetry-sdk==1.45.2 opentelemetry-proto==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
-        opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
-        opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2
+        -d .whl -r dev/gpu_card_requirements.txt
 
 (about 26 MB), then on the GPU machine, from the repository root with .whl in it:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    timeout 590 python3 tools/gpu_card.py --out /tmp/gpu-card; cp /tmp/gpu-card/card.* "$OUT"/
+    timeout 590 python3 dev/gpu_card.py --out /tmp/gpu-card; cp /tmp/gpu-card/card.* "$OUT"/
     tar czf "$OUT"/gpu-card-runs.tgz -C /tmp gpu-card
 
 card.md names every version it found, against the pins. If an import the chapters need fails, the card stops at
@@ -68,11 +62,11 @@ their one-line errors (the 405B combination fails at --cpu-offload, as that row 
 LOCAL_RANK=1 check runs for one chapter and the benchmark for chapter 01 (tests/test_gpu_card.py runs chapter 04's).
 The tests run it:
 
-    python tools/gpu_card.py --cpu --out cpu-card
+    python dev/gpu_card.py --cpu --out cpu-card
 
 From a GPU card, fill the "Measured on a GPU" sections of the READMEs:
 
-    python tools/gpu_card.py --fill-readmes gpu-card
+    python dev/gpu_card.py --fill-readmes gpu-card
 """
 
 import argparse
@@ -93,8 +87,8 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CARD_SITE = REPO / "tools" / "gpu_card_site"
-BENCHMARK = REPO / "tools" / "benchmark_step_overhead.py"
+CARD_SITE = REPO / "dev" / "gpu_card_site"
+BENCHMARK = REPO / "dev" / "benchmark_step_overhead.py"
 GPU_MODEL = REPO / "data" / "llama-3.2-1b-shape"
 CPU_MODEL = REPO / "data" / "tiny-llama"
 
@@ -325,7 +319,7 @@ def run_probe(card, scratch_dir):
             errors = "; ".join(f"{package}: {environment['import_errors'][package]}"
                                for package in environment["missing"])
             card.data["stopped"] = (f"the chapters import {', '.join(environment['missing'])}, which do not import "
-                                    f"here ({errors}); bring them as wheels (python tools/gpu_card.py --help says how)")
+                                    f"here ({errors}); bring them as wheels (python dev/gpu_card.py --help says how)")
         elif card.mode == "gpu" and not environment["cuda"]:
             card.data["stopped"] = "no CUDA GPU here (torch.cuda.is_available() is False); use --cpu"
             environment["missing"] = ["a CUDA GPU"]
@@ -574,8 +568,8 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
                        "--seq-length", "64", "--batch-size", "4", "--max-steps", "2", "--log-freq", "1",
                        "--num-workers", "0", "--wandb-mode", "disabled", "--save-dir", str(runs_dir), "-e", name,
                        *chapter_arguments(chapter, 1, 4)]
-            note = ("issue 12 item 8: one visible GPU, LOCAL_RANK=1 (tiny model, 2 steps and a checkpoint)" if gpu
-                    else "n/a on the CPU: no GPU to pick (runs the same command)")
+            note = ("one visible GPU and LOCAL_RANK=1, where cuda:1 does not exist (tiny model, 2 steps and a "
+                    "checkpoint)" if gpu else "n/a on the CPU: no GPU to pick (runs the same command)")
             plan.append(ProcessRun(name=name, chapter=chapter, options=["LOCAL_RANK=1"], kind="check",
                                    command=command, env=env, parallel=True, note=note, timeout=240))
         if OPTIONS_CHAPTER in chapters and not flash:
@@ -657,7 +651,8 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
                 plan.append(training_run(f"{OPTIONS_CHAPTER}+flash-attention-batch-1", OPTIONS_CHAPTER,
                                          ["--attn-implementation", "flash_attention_2", "--batch-size", "1"],
                                          kind="check", stop_after=log_freq + 1, timeout=180, min_records=1,
-                                         note="issue 12 item 6: syncs per layer at batch size 1 (target 0)"))
+                                         note="syncs per layer at batch size 1 (target 0: no packed-sequence "
+                                              "check on the host)"))
         else:
             plan.append(error_check(f"{OPTIONS_CHAPTER}+cpu-offload", OPTIONS_CHAPTER, ["--cpu-offload"],
                                     OFFLOAD_ERROR, "needs CUDA: its one-line error is checked"))
@@ -1094,7 +1089,7 @@ def render_markdown(data):
             lines.append(table_row(run, data))
     benchmark = data["benchmark"]
     if benchmark:
-        lines += ["", "Step-overhead benchmark (`tools/benchmark_step_overhead.py`: the bare loop and the chapter in "
+        lines += ["", "Step-overhead benchmark (`dev/benchmark_step_overhead.py`: the bare loop and the chapter in "
                   "fresh processes, alternated; medians):", "",
                   "| chapter | bare loop ms | chapter ms | ratio | overhead | samples (bare; chapter) |",
                   "|" + " --- |" * 6]
@@ -1127,7 +1122,7 @@ def render_markdown(data):
         if flash_unmeasured:
             lines.append(f"- {OPTIONS_CHAPTER} --attn-implementation flash_attention_2 --batch-size 1: not measured: "
                          "flash-attn does not import here; a flash-attn wheel built for this torch and CUDA "
-                         "would let the card count its syncs per layer (issue 12 item 6)")
+                         "would let the card count its syncs per layer at batch size 1")
     problems = [run for run in data["runs"] if run["status"] not in ("ok", "expected error")]
     sync_notes = [run for run in data["runs"] if (run.get("syncs") or {}).get("syncs_in_audited_steps")]
     expected_errors = [run for run in data["runs"] if run["status"] == "expected error"]
@@ -1144,7 +1139,7 @@ def render_markdown(data):
             where = "; ".join(f"{place} x{count}" for place, count in run["syncs"]["where"].items())
             lines.append(f"- {run['name']}: syncs at {where}")
     if data["chapter_args"]:
-        lines += ["", "Per-chapter arguments (`CHAPTER_ARGS` in tools/gpu_card.py, on top of the common ones):", ""]
+        lines += ["", "Per-chapter arguments (`CHAPTER_ARGS` in dev/gpu_card.py, on top of the common ones):", ""]
         lines.append("; ".join(f"{chapter}: {shlex.join(extra) or 'none'}"
                                for chapter, extra in data["chapter_args"].items()))
     lines += ["", f"Every run's log is in `logs/NAME.log`, its metrics in `runs/NAME/metrics.jsonl`; everything "
@@ -1259,12 +1254,12 @@ def fill_readmes(card_dir):
     rows, benchmark and checks in its own."""
     card_md = card_dir / "card.md" if card_dir.is_dir() else card_dir
     if not card_md.exists():
-        raise SystemExit(f"error: {card_md} does not exist; measure a card first: python tools/gpu_card.py --out DIR")
+        raise SystemExit(f"error: {card_md} does not exist; measure a card first: python dev/gpu_card.py --out DIR")
     text = card_md.read_text()
     if not text.startswith("# GPU card"):
         raise SystemExit(f"error: {card_md} is not a GPU card (it was made with --cpu); measure one on a GPU")
     body = text.split("\n", 1)[1].strip()
-    source = f"From `{display_path(card_md)}`, written by `tools/gpu_card.py` (edit the card, not this section)."
+    source = f"From `{display_path(card_md)}`, written by `dev/gpu_card.py` (edit the card, not this section)."
     write_section(REPO / "README.md", f"{source}\n\n{body}")
     header = [line for line in body.split("\n\n")[0].splitlines() if line.startswith("**")]
     for readme in sorted(REPO.glob("[0-9][0-9]-*/README.md")):
@@ -1291,9 +1286,9 @@ def fill_readmes(card_dir):
 
 def not_measured_section():
     return ("Not yet measured on a GPU. On a machine with CUDA GPUs, from the repository root, the first command "
-            "measures every chapter\nin at most 8 minutes (`python tools/gpu_card.py --help` says what and how), "
-            "the second writes the numbers here:\n\n```bash\npython tools/gpu_card.py --out gpu-card\n"
-            "python tools/gpu_card.py --fill-readmes gpu-card\n```")
+            "measures every chapter\nin at most 8 minutes (`python dev/gpu_card.py --help` says what and how), "
+            "the second writes the numbers here:\n\n```bash\npython dev/gpu_card.py --out gpu-card\n"
+            "python dev/gpu_card.py --fill-readmes gpu-card\n```")
 
 
 def write_section(readme, content):

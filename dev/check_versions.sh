@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every chapter's CPU smoke tests under other torch and transformers releases (not part of CI).
 #
-#     bash tools/check_versions.sh TORCH_VERSION TRANSFORMERS_VERSION    e.g. 2.11.0 5.17.0
+#     bash dev/check_versions.sh TORCH_VERSION TRANSFORMERS_VERSION    e.g. 2.11.0 5.17.0
 #
-#     bash tools/check_versions.sh 2.15.0 5.24.0 -k "08 or 09"           further arguments go to pytest
+#     bash dev/check_versions.sh 2.15.0 5.24.0 -k "08 or 09"           further arguments go to pytest
 #
 # Builds a virtual environment in $CHECK_VERSIONS_DIR (default ~/.cache/check_versions; pip's cache
 # beside it) with those two releases from PyPI and requirements-dev.txt's other pins, then runs in it each
@@ -13,7 +13,7 @@
 # 2, 09), and the bf16 parity of 08 and 09 (pipelining and DTensor are where releases differ most).
 # PyPI's torch wheels other than the CPU build are CUDA builds: the first build downloads about 4 GB.
 set -euo pipefail
-[ $# -ge 2 ] || { echo "error: usage: bash tools/check_versions.sh TORCH_VERSION TRANSFORMERS_VERSION [PYTEST_ARGS]" >&2
+[ $# -ge 2 ] || { echo "error: usage: bash dev/check_versions.sh TORCH_VERSION TRANSFORMERS_VERSION [PYTEST_ARGS]" >&2
                   exit 2; }
 torch_version=$1 transformers_version=$2
 shift 2
