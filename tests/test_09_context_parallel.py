@@ -24,7 +24,7 @@ from test_drift import LINEAGE, top_level_definitions
 
 README = REPO / CHAPTERS["09"] / "README.md"
 ATTENTION_CHECK = REPO / CHAPTERS["09"] / "cp_attention_check.py"
-MEASURE = REPO / "tools" / "measure_context_parallel.py"
+MEASURE = REPO / CHAPTERS["09"] / "measure_context_parallel.py"
 STEPS, HALF = 6, 3
 GLOBAL_BATCH, SEQ_LENGTH = 4, 256
 COMMON = ["--max-steps", str(STEPS), "--seq-length", str(SEQ_LENGTH), "--wandb-mode", "disabled"]
