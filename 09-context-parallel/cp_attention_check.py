@@ -3,7 +3,7 @@
     torchrun --standalone --nproc-per-node 4 09-context-parallel/cp_attention_check.py
 
 On 4 ranks, every layout 4 ranks make: cp 2 (a (2, 2) mesh) and cp 4 (a (1, 4) mesh); both forms (ring,
-all-to-all) and, on CUDA only, PyTorch's context_parallel() (pytorch); load balancing on and off. The chapter's own
+all-to-all); load balancing on and off. The chapter's own
 script is imported as a module: what is checked is its get_token_indices(), its registered attention functions and
 its get_model_inputs(), not a copy.
 
@@ -15,8 +15,8 @@ its get_model_inputs(), not a copy.
    the chapter's training step cuts it (dp rows read different sequences). Every module's output (gathered over
    the cp ranks, back in order), the loss (the sum of the ranks' shares) and every parameter's gradient (summed
    over all ranks, as FSDP sums them) against the whole model on the whole global batch.
-3. The layout of load balancing is PyTorch's own (_HeadTailLoadBalancer), so that --cp-attention pytorch reads the
-   tokens where the chapter put them.
+3. The layout of load balancing is PyTorch's own (_HeadTailLoadBalancer, what its context_parallel() uses), so that
+   the README's sketch of context_parallel() cuts the tokens where the chapter does.
 
 Prints the worst difference of each case; "error: ..." and exit status 1 on the first that is off.
 CP_CHECK_BREAK=ring-sees-the-future breaks the ring's causal mask across ranks (every other rank's keys visible to
@@ -44,7 +44,7 @@ BATCH, SEQ_LENGTH, NUM_LAYERS, SEED = 2, 64, 2, 0
 DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else \
     torch.device("cpu")
 TOLERANCE = 2e-5 if DEVICE.type == "cuda" else 1e-6
-FORMS = ["ring", "all-to-all"] + (["pytorch"] if DEVICE.type == "cuda" else [])
+FORMS = ["ring", "all-to-all"]
 
 
 def say(line):

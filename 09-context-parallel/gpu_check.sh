@@ -2,10 +2,10 @@
 # The checks of this chapter that need CUDA GPUs (not run by pytest: CI has no GPU; not yet run: no GPU machine was
 # available when the chapter was written). From the repository root, on a machine with 2, 4 or 8 GPUs:
 #   bash 09-context-parallel/gpu_check.sh [OUTPUT_DIR]
-#   attention   09-context-parallel/cp_attention_check.py on every GPU, NCCL: ring, all-to-all and PyTorch's context_parallel()
-#               (pytorch), load balancing on and off, each rank's output and q/k/v gradients against full causal
+#   attention   09-context-parallel/cp_attention_check.py on every GPU, NCCL: ring and all-to-all,
+#               load balancing on and off, each rank's output and q/k/v gradients against full causal
 #               attention (within 2e-5, fp32), and the whole model module by module (within 1e-5)
-#   ring, all-to-all, pytorch
+#   ring, all-to-all
 #               the tiny model trained 20 steps in bf16 on 1,024-token sequences (its longest) split over every GPU (--cp N), with
 #               each form: the same losses as --cp 1 (plain FSDP, SDPA) within bf16 noise, and less GPU memory
 # Prints one line per case and a summary; logs and metrics stay in OUTPUT_DIR (default: gpu-check-09).
@@ -45,7 +45,7 @@ report attention $? "$(grep -E '^(ok|error):' "$OUT_DIR/attention.log" | head -1
 timeout 900 torchrun --standalone --nproc-per-node $(( NPROC / CP )) 09-context-parallel/train_llm.py "${ARGS[@]}" \
     -e cp1 > "$OUT_DIR/cp1.log" 2>&1
 report cp1 $? "plain FSDP on $(( NPROC / CP )) GPUs; peak GPU memory $(peak_gb cp1 2>/dev/null) GB"
-for form in ring all-to-all pytorch; do
+for form in ring all-to-all; do
     if timeout 900 torchrun --standalone --nproc-per-node "$NPROC" 09-context-parallel/train_llm.py "${ARGS[@]}" \
             --cp "$CP" --cp-attention "$form" -e "$form" > "$OUT_DIR/$form.log" 2>&1; then
         details=$(close_to cp1 "$form" 0.02); ok=$?

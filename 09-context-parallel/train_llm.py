@@ -1,18 +1,16 @@
-"""Chapter 09: context parallelism: every sequence split across --cp ranks, for sequences too long for one GPU.
+"""Chapter 09: context parallelism (CP): every sequence split across --cp ranks, for sequences too long for one GPU.
 
-The ranks form a (dp, cp) grid. The --cp ranks of a row share the same sequences, each holding its share of every
-sequence's tokens (two chunks, one early and one late, so that causal attention costs every rank the same). Only
-attention needs other tokens: it passes key/value blocks around the ring of cp ranks (or switches to head shards
-with an all-to-all). FSDP shards the weights over all ranks, dp and cp together, as in chapter 04.
+Each of the --cp ranks of a group holds two chunks of every sequence (one early, one late: equal causal work); its
+attention gets the other tokens' keys and values from a ring, or an all-to-all. FSDP shards over every rank.
 
-On a machine without a GPU, 2 processes splitting each sequence in two:
+On a machine without a GPU:
 
     torchrun --standalone --nproc-per-node 2 09-context-parallel/train_llm.py --cp 2
 
-On one node with 8 GPUs, 32K-token sequences split 8 ways:
+On one node with 8 GPUs:
 
-    torchrun --standalone --nproc-per-node 8 09-context-parallel/train_llm.py --cp 8 --cp-attention pytorch \\
-        --seq-length 32768 --batch-size 1 -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-cp
+    torchrun --standalone --nproc-per-node 8 09-context-parallel/train_llm.py --cp 8 --seq-length 32768 \\
+        --batch-size 1 -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-cp
 """
 
 import argparse
@@ -41,8 +39,8 @@ import wandb
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -93,20 +91,17 @@ def main():
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload moves GPU memory to the CPU and needs "
             "CUDA; leave it out on a machine without a GPU")
     mesh = get_device_mesh(device, world_size, args.cp)
-    check_context_parallel(args, config, device)
-    cp_mesh, load_balance = mesh["cp"], args.cp_load_balance == "on"
+    check_context_parallel(args, config)
+    cp_mesh, dp_mesh, load_balance = mesh["cp"], mesh["dp"], args.cp_load_balance == "on"
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
-    attn_implementation = attention_implementation(args.attn_implementation)
-    if args.cp > 1:
-        # NOTE: the attention modules call the function registered under this name: the model's code is untouched.
-        attn_implementation = register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
-        LOGGER.info(f"attention across the split: {args.cp_attention}, load balancing {args.cp_load_balance}")
+    # NOTE: the attention modules call the function registered under this name: the model's code is untouched.
+    attn_implementation = attention_implementation(args.attn_implementation) if args.cp == 1 else \
+        register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
     # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"
     # in a second on any machine. fully_shard() then replaces every parameter by a DTensor holding this rank's
     # shard, still on meta; to_empty() allocates only those shards on the device; init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
-    # NOTE: dp and cp ranks hold the same weights: FSDP shards them over the flattened (dp, cp) mesh, as in torchtitan.
     shard_model(model, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.cpu_offload)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
@@ -118,11 +113,8 @@ def main():
     with rank_zero_first():
         tokenizer = load_tokenizer(args.model_name)
         dataset = load_and_tokenize_dataset(args, tokenizer)
-    # NOTE: the cp ranks of a row read the same sequences; data parallelism runs across the rows. The data-parallel
-    # rank and size come from the mesh's dp dimension, never from the world.
-    dp_mesh = mesh["dp"]
-    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
-    samples_per_step = args.batch_size * args.grad_accum * dp_size
+    # NOTE: the cp ranks of a dp group read the same sequences: the data is dealt by dp rank, not by world rank.
+    samples_per_step = args.batch_size * args.grad_accum * dp_mesh.size()
     steps_per_epoch = len(dataset) // samples_per_step
     require(len(dataset) >= samples_per_step, f"the data set has {len(dataset)} sequences of {args.seq_length} "
             f"tokens, fewer than the {samples_per_step} one optimizer step needs; use more data or a smaller "
@@ -164,7 +156,7 @@ def main():
     done = train_state["step"] >= max_steps
     while not done:
         dataloader = get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
-                                    dp_rank, dp_size)
+                                    dp_mesh.get_local_rank(), dp_mesh.size())
         micro_batches = iter(dataloader)
         for _ in range(len(dataloader) // args.grad_accum):
             timer = StepTimer(device)
@@ -173,20 +165,17 @@ def main():
                 with timer("data"):
                     input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
                     attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
-                    # NOTE: this rank's share of the sequences: its tokens, with their positions and labels cut
-                    # from the whole sequences, and the count of all the tokens the micro-batch predicts.
-                    input_ids, position_ids, shift_labels, num_items_in_batch = get_model_inputs(
-                        input_ids, cp_mesh, dp_mesh, load_balance)
+                    input_ids, position_ids, labels, num_items = get_model_inputs(input_ids, cp_mesh, dp_mesh,
+                                                                                  load_balance)
                 # NOTE: no autocast: FSDP's MixedPrecisionPolicy casts the all-gathered weights to bf16 instead.
                 # And no no_sync(): skipping the reduce-scatter would keep full, unsharded gradients in memory
                 # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
                 with timer("forward"):
-                    # NOTE: the labels come shifted (shift_labels, plus labels: without them, no loss). The loss is
-                    # this rank's summed loss over all predicted tokens (num_items_in_batch): its share of the mean.
+                    # NOTE: labels come shifted (shift_labels; labels too, or no loss): the loss is this rank's share.
                     # use_cache=False: no KV cache. Only generation needs one; in training it would keep every
                     # layer's keys and values alive (twice, for a layer that activation checkpointing recomputes).
-                    loss = model(input_ids=input_ids, position_ids=position_ids, labels=shift_labels,
-                                 shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, use_cache=False,
+                    loss = model(input_ids=input_ids, position_ids=position_ids, labels=labels, shift_labels=labels,
+                                 num_items_in_batch=num_items, use_cache=False,
                                  **attention_kwargs).loss / args.grad_accum
                 with timer("backward"):
                     loss.backward()
@@ -288,11 +277,9 @@ def get_parser():
     parallelism = parser.add_argument_group("parallelism")
     parallelism.add_argument("--cpu-offload", action="store_true",
                              help="keep parameters, gradients and AdamW state in CPU memory and step there (CUDA only)")
-    parallelism.add_argument("--cp", type=int, default=1,
-                             help="context-parallel degree: ranks per sequence; the others run data parallel")
-    parallelism.add_argument("--cp-attention", choices=["ring", "all-to-all", "pytorch"], default="ring",
-                             help="attention across the split: ring (key/value blocks passed around the cp ranks), "
-                                  "all-to-all (sequence to head shards and back), pytorch (PyTorch's own, CUDA only)")
+    parallelism.add_argument("--cp", type=int, default=1, help="context-parallel degree: ranks per sequence")
+    parallelism.add_argument("--cp-attention", choices=["ring", "all-to-all"], default="ring",
+                             help="ring: key/value blocks passed around; all-to-all: sequence to head shards and back")
     parallelism.add_argument("--cp-load-balance", choices=["on", "off"], default="on",
                              help="an early and a late chunk per cp rank (equal causal work); off: one chunk each")
     parallelism.add_argument("--dist-timeout", type=int, default=600,
@@ -471,64 +458,33 @@ def get_attention_kwargs(attn_implementation, input_ids):
 
 
 def get_device_mesh(device, world_size, cp_degree):
-    """Lay the ranks out on a (dp, cp) grid: consecutive ranks (one node's GPUs) split the same sequences.
-
-    NOTE: the last dimension varies fastest: with 2 nodes of 4 GPUs and --cp 4, ranks 0-3 (node 0) form one cp group,
-    4-7 another, and ranks 0 and 4 a dp group: ring attention's traffic, in every layer, stays on NVLink inside a node.
-    """
-    require(cp_degree >= 1 and world_size % cp_degree == 0, f"--cp {cp_degree} does not divide the world size "
-            f"{world_size}; use a divisor of {world_size}, usually the number of GPUs per node or fewer")
+    """The (dp, cp) grid, cp innermost: one node's GPUs split the same sequences, so the ring stays on NVLink."""
+    require(cp_degree >= 1 and world_size % cp_degree == 0,
+            f"--cp {cp_degree} does not divide the world size {world_size}; use a divisor of {world_size}")
     return init_device_mesh(device.type, (world_size // cp_degree, cp_degree), mesh_dim_names=("dp", "cp"))
 
 
-def check_context_parallel(args, config, device):
-    """Every rank gets equal chunks of the sequence, and the attention across the split must be one we can split."""
-    if args.cp <= 1:
+def check_context_parallel(args, config):
+    """A split into equal chunks, with attention the chapter's forms compute: plain causal, no window, no dropout."""
+    if args.cp == 1:
         return
     chunks = 2 * args.cp if args.cp_load_balance == "on" else args.cp
-    how = f"2 x --cp {args.cp} = {chunks} equal chunks (with load balancing each rank holds two)" \
-        if args.cp_load_balance == "on" else f"--cp {args.cp} equal chunks"
-    require(args.seq_length % chunks == 0,
-            f"--seq-length {args.seq_length} does not split into {how}; use a multiple of {chunks}")
-    require(args.attn_implementation == "sdpa", f"--attn-implementation {args.attn_implementation} cannot be split "
-            f"across context-parallel ranks; with --cp {args.cp} the attention is --cp-attention "
-            f"{args.cp_attention}: leave --attn-implementation at sdpa")
+    require(args.seq_length % chunks == 0, f"--seq-length {args.seq_length} does not split into {chunks} equal chunks "
+            f"(--cp {args.cp}, load balancing {args.cp_load_balance}); use a multiple of {chunks}")
+    require(args.attn_implementation == "sdpa",
+            f"--attn-implementation {args.attn_implementation} cannot be split across cp ranks; leave it at sdpa")
     require(args.cp_attention != "all-to-all" or config.num_key_value_heads % args.cp == 0,
-            f"--cp-attention all-to-all gives each of the --cp {args.cp} ranks whole key/value heads, and "
-            f"{config.num_key_value_heads} key/value heads (num_key_value_heads) do not divide into {args.cp}; use a "
-            f"--cp that divides {config.num_key_value_heads}, or --cp-attention ring")
-    require(args.cp_attention != "pytorch" or device.type == "cuda", "--cp-attention pytorch runs PyTorch's "
-            "context_parallel(), which splits only CUDA's flash, memory-efficient and cuDNN attention kernels; on "
-            "the CPU use --cp-attention ring or all-to-all")
-    # NOTE: the forms below compute plain causal attention: a sliding window or attention dropout would be lost.
-    sliding_window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    require(not sliding_window, f"the model uses sliding-window attention (sliding_window {sliding_window}), which "
-            "this chapter's attention across the split does not compute; use a model with full causal attention")
-    attention_dropout = getattr(config, "attention_dropout", 0.0)
-    require(not attention_dropout, f"the model has attention dropout ({attention_dropout}), which this chapter's "
-            "attention across the split does not apply; set attention_dropout to 0 in its config")
+            f"{config.num_key_value_heads} key/value heads do not divide into --cp {args.cp}; use --cp-attention ring")
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    require(not window, f"the model has sliding-window attention ({window}); use a model with full causal attention")
+    require(not getattr(config, "attention_dropout", 0.0), "the model has attention dropout; set it to 0 in its config")
 
 
 def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
-    """Register the attention across the split as a Hugging Face attention implementation; return its name.
-
-    NOTE: each attention module calls the function registered under the config's attn_implementation with the queries,
-    keys and values (positions rotated in) of this rank's tokens. No mask function is registered under the name, so
-    transformers builds none: the token layout tells each form which keys a query sees.
-    """
-    forms = {"ring": ring_attention, "all-to-all": all_to_all_attention, "pytorch": pytorch_ring_attention}
+    """Register the split attention with transformers and no mask function (the layout says what a query sees)."""
     name = f"context_parallel_{cp_attention.replace('-', '_')}"
-    AttentionInterface.register(name, functools.partial(forms[cp_attention], cp_mesh=cp_mesh,
-                                                        load_balance=load_balance))
-    if cp_attention == "pytorch":
-        # NOTE: private names, imported here only: should a torch release move them, only --cp-attention pytorch fails.
-        from torch.distributed.tensor.experimental._attention import _cp_options, _enable_context_parallel_dispatcher
-
-        # NOTE: PyTorch's ring runs where scaled_dot_product_attention meets DTensors sharded along the sequence:
-        # the dispatcher routes the fused kernels' forward and backward to it. Its load balancing is the same
-        # layout as ours (chunks i and 2N-1-i: _HeadTailLoadBalancer), a global option of its own.
-        _cp_options.enable_load_balance = load_balance
-        _enable_context_parallel_dispatcher()
+    form = ring_attention if cp_attention == "ring" else all_to_all_attention
+    AttentionInterface.register(name, functools.partial(form, cp_mesh=cp_mesh, load_balance=load_balance))
     return name
 
 
@@ -538,7 +494,6 @@ def shard_model(model, mesh, dtype, cpu_offload):
     NOTE: each fully_shard() call makes one group whose parameters are all-gathered, and whose gradients are
     reduce-scattered, in one collective. One group per decoder layer means only one or two layers are ever whole
     in memory, and FSDP prefetches the next layer's all-gather while the current one computes.
-    Here the mesh holds every rank, dp and cp: to FSDP a cp rank (other tokens) is a dp rank (other sequences).
     """
     # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
     # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
@@ -552,13 +507,11 @@ def shard_model(model, mesh, dtype, cpu_offload):
         fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
     # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
-    # NOTE: FSDP divides the summed gradients by its number of ranks, to average per-rank means. Each rank's loss here
-    # is already its share of the global mean, so the gradients must be summed, not averaged: a divide factor of 1, with
-    # a plain SUM reduction (else FSDP asks for NCCL's premultiplied sum, which gloo does not have).
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
+    # NOTE: each rank's loss is already its share of the global mean: sum the gradients, not average them, with a
+    # plain SUM (FSDP would otherwise use NCCL's premultiplied sum, which gloo lacks).
+    for module in [*layers, model]:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
 
 
 @torch.no_grad()
@@ -595,69 +548,56 @@ def reset_rotary_embeddings(model, device):
                 module.register_buffer(name, buffer.to(device), persistent=False)
 
 
-# 1b. Attention across the split: each rank holds some tokens of every sequence, and attention needs them all
+# 1b. Attention across the split
 
 
 def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
-    """The positions in the sequence of the tokens that rank cp_rank of a context-parallel group holds, in order.
+    """The positions of the tokens cp rank cp_rank holds: chunk cp_rank of cp_size, or with load balancing chunks
+    cp_rank and 2 x cp_size - 1 - cp_rank of 2 x cp_size (one early, one late: equal work under the causal mask)."""
+    chunks = 2 * cp_size if load_balance else cp_size
+    chunk = seq_length // chunks
+    owned = [cp_rank, chunks - 1 - cp_rank] if load_balance else [cp_rank]
+    return torch.cat([torch.arange(index * chunk, (index + 1) * chunk, device=device) for index in owned])
 
-    NOTE: under the causal mask, token t attends to the t tokens before it. Cut into cp_size contiguous chunks, the last
-    rank's queries would see the whole sequence and the first rank's only their own chunk: the last rank does 2 x
-    cp_size - 1 times the first one's work while the others wait. Load balancing cuts the sequence into 2 x cp_size
-    chunks instead and gives rank i chunks i and 2 x cp_size - 1 - i, one early and one late: equal work.
+
+def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
+    """This rank's (input_ids, position_ids, shift_labels, num_items_in_batch), labels shifted before the split (a
+    chunk's last label is the next chunk's first token), and the count over every rank: the loss is this rank's share.
     """
-    if not load_balance:
-        chunk = seq_length // cp_size
-        return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device)
-    chunk = seq_length // (2 * cp_size)
-    late = 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
-                      torch.arange(late * chunk, (late + 1) * chunk, device=device)])
+    shift_labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
+    num_items_in_batch = (shift_labels != -100).sum()
+    dist.all_reduce(num_items_in_batch, group=dp_mesh.get_group())
+    if cp_mesh.size() == 1:
+        return input_ids, None, shift_labels, num_items_in_batch
+    token_indices = get_token_indices(input_ids.shape[1], cp_mesh.get_local_rank(), cp_mesh.size(), load_balance,
+                                      input_ids.device)
+    position_ids = token_indices.expand(input_ids.shape[0], -1)
+    return input_ids[:, token_indices], position_ids, shift_labels[:, token_indices], num_items_in_batch
 
 
 def ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
-    """Ring attention, as a Hugging Face attention function: (batch, heads, tokens, head_dim) in, (batch, tokens,
-    heads, head_dim) out, for this rank's tokens; attention_mask is None (no mask function is registered)."""
+    """Ring attention as a transformers attention function, over this rank's tokens."""
     output = RingAttention.apply(query, key, value, scaling, cp_mesh.get_group(), load_balance)
     return output.transpose(1, 2), None
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the whole sequence, whose keys and values go around the ring.
-
-    Forward: each of the cp_size steps computes this rank's queries against one rank's key/value block while the block
-    moves on to rank + 1, folding the block's result into the running one by its log-sum-exp (the online softmax).
-    Backward keeps only this rank's queries, keys, values, output and log-sum-exp, never the whole sequence's.
-
-    Backward: the key/value blocks go around once more, and with each travels the gradient of its keys and values,
-    to which every rank adds its queries' part; after a full turn each block's gradient is back with its owner.
-    """
+    """Causal attention of this rank's queries over the key/value blocks of the ring, merged by the online softmax;
+    backward passes the blocks around again, each with its gradient, which every rank adds to on the way."""
 
     @staticmethod
     def forward(ctx, query, key, value, scale, group, load_balance):
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
         batch, heads, tokens, head_dim = query.shape
-        # NOTE: the output is laid out in memory as (batch, tokens, heads, head_dim), o_proj's layout: the attention
-        # module's reshape is then a view, and o_proj keeps this very tensor for its backward. Merged in fp32.
+        # NOTE: laid out as o_proj's input, (batch, tokens, heads, head_dim): o_proj keeps this very tensor.
         output = torch.zeros(batch, tokens, heads, head_dim, dtype=torch.float32, device=query.device).transpose(1, 2)
         lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
-        key_value = torch.stack([key, value])
-        for step in range(size):
-            if step < size - 1:
-                # NOTE: the next block is on its way while this one computes: communication overlaps compute.
-                next_key_value, requests = start_ring_pass(key_value, group, tag=0)
-            visible = visible_block(rank, (rank - step) % size, query.shape[2], load_balance)
+        for _, key_value, visible in ring_steps(torch.stack([key, value]), group, load_balance):
             if visible is not None:
                 rows, columns, causal = visible
                 block_output, block_lse = attention_block(query[:, :, rows], key_value[0][:, :, columns],
                                                           key_value[1][:, :, columns], scale, causal)
                 merge_block(output[:, :, rows], lse[:, :, rows], block_output, block_lse)
-            if step < size - 1:
-                for request in requests:
-                    request.wait()
-                key_value = next_key_value
-        # NOTE: the output is kept in the model's dtype, as returned (FlashAttention does the same): in bf16, half
-        # the bytes of the fp32 sum it was merged in, and the same tensor o_proj keeps.
+        # NOTE: kept in the model's dtype, as FlashAttention keeps it: half the bytes of the fp32 merge.
         output = output.to(query.dtype)
         ctx.save_for_backward(query, key, value, output, lse)
         ctx.scale, ctx.group, ctx.load_balance = scale, group, load_balance
@@ -666,17 +606,11 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, output, lse = ctx.saved_tensors
-        rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
-        # NOTE: the softmax's backward needs, for each query, the sum of grad_output * output over the head
-        # dimension, of the final output: one number per query, computed once and used against every block.
+        # NOTE: the softmax's backward needs, per query, the sum of grad_output * output of the final output.
         delta = (grad_output.float() * output.float()).sum(-1)
         grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
         grad_key_value = torch.zeros((2, *key.shape), dtype=torch.float32, device=key.device)
-        key_value = torch.stack([key, value])
-        for step in range(size):
-            if step < size - 1:
-                next_key_value, requests = start_ring_pass(key_value, ctx.group, tag=0)
-            visible = visible_block(rank, (rank - step) % size, query.shape[2], ctx.load_balance)
+        for step, key_value, visible in ring_steps(torch.stack([key, value]), ctx.group, ctx.load_balance):
             block_grads = None
             if visible is not None:
                 rows, columns, causal = visible
@@ -686,51 +620,50 @@ class RingAttention(torch.autograd.Function):
                 grad_query[:, :, rows] += block_grads[0]
             if step > 0:
                 # NOTE: the gradient of the block this rank now holds, as far as the ranks before it computed it.
-                for request in grad_requests:
-                    request.wait()
-                grad_key_value = received_grad_key_value
+                grad_key_value = receive_grad()
             if block_grads is not None:
                 grad_key_value[0][:, :, columns] += block_grads[1]
                 grad_key_value[1][:, :, columns] += block_grads[2]
-            received_grad_key_value, grad_requests = start_ring_pass(grad_key_value, ctx.group, tag=1)
-            if step < size - 1:
-                for request in requests:
-                    request.wait()
-                key_value = next_key_value
+            receive_grad = start_ring_pass(grad_key_value, ctx.group, tag=1)
         # NOTE: the last pass brought this rank's own keys' and values' gradient home, complete.
-        for request in grad_requests:
-            request.wait()
-        grad_key, grad_value = received_grad_key_value
+        grad_key, grad_value = receive_grad()
         return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), None, None, None
 
 
-def start_ring_pass(tensor, group, tag):
-    """Send tensor to the next rank of the ring and receive the previous rank's into a new tensor.
+def ring_steps(key_value, group, load_balance):
+    """Yield (step, the key/value block this rank holds, visible_block() of it) for the cp steps of a ring."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    for step in range(size):
+        if step < size - 1:
+            # NOTE: the next block travels while this one computes: communication overlaps compute.
+            receive = start_ring_pass(key_value, group, tag=0)
+        yield step, key_value, visible_block(rank, (rank - step) % size, key_value.shape[3], load_balance)
+        if step < size - 1:
+            key_value = receive()
 
-    Returns at once with (the receiving tensor, the requests to wait on before reading it). isend and irecv are
-    point-to-point operations that every backend has (NCCL, gloo); the tag keeps two passes in flight apart.
-    """
+
+def start_ring_pass(tensor, group, tag):
+    """Send tensor to the next rank, receive the previous rank's; returns at once, with a function that waits for it."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(tensor)
     requests = dist.batch_isend_irecv([
         dist.P2POp(dist.isend, tensor, group=group, group_peer=(rank + 1) % size, tag=tag),
         dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size, tag=tag),
     ])
-    return received, requests
+
+    def receive():
+        for request in requests:
+            request.wait()
+        return received
+    return receive
 
 
 def visible_block(rank, source, local_length, load_balance):
-    """Which of this rank's queries see which keys of the source rank: (query rows, key columns, causal) or None.
-
-    NOTE: the causal mask decides, per pair of ranks, between three cases, with no mask to build. Without load
-    balancing: a source rank before this one holds earlier tokens only (all visible), one after it later ones (nothing
-    to compute). With load balancing each rank holds an early chunk and a late chunk: a source rank before this one has
-    its early chunk before both of ours and its late chunk after both (our queries see its early half); a source rank
-    after this one has both chunks between ours (only our late half sees them). Either way half a block: equal work.
-    """
+    """Which of this rank's queries see which of the source rank's keys: (query rows, key columns, causal) or None.
+    Unbalanced, an earlier rank's block is all visible and a later one's not at all. Balanced, our queries see an
+    earlier rank's early half, and only our late half sees a later rank's block: half a block either way."""
     everything = slice(None)
     if source == rank:
-        # NOTE: this rank's own tokens, in order (early chunk, then late chunk): the ordinary causal mask.
         return everything, everything, True
     if not load_balance:
         return (everything, everything, False) if source < rank else None
@@ -741,11 +674,8 @@ def visible_block(rank, source, local_length, load_balance):
 
 
 def attention_block(query, key, value, scale, causal):
-    """softmax(query key^T x scale) value for one block of queries and keys, and each query's log-sum-exp.
-
-    NOTE: as in FlashAttention, the matrix products run in the compute dtype and the softmax in fp32. The block's
-    scores (queries x keys of one rank) live only in this call and its backward's recomputation.
-    """
+    """softmax(query key^T x scale) value for one block, and each query's log-sum-exp: as in FlashAttention, the
+    products in the compute dtype, the softmax in fp32."""
     scores = block_scores(query, key, scale, causal)
     lse = scores.logsumexp(-1, keepdim=True)
     output = scores.sub_(lse).exp_().to(value.dtype) @ value
@@ -769,12 +699,8 @@ def attention_block_backward(grad_output, query, key, value, lse, delta, scale, 
 
 
 def block_scores(query, key, scale, causal):
-    """The attention scores of a block, (batch, kv_heads, heads / kv_heads x queries, keys): multiplied in the compute
-    dtype, returned in fp32.
-
-    NOTE: grouped-query attention: the heads / kv_heads query heads that share a key/value head are stacked as rows
-    of one matrix product with it, so the key/value heads are never repeated (neither in memory nor on the wire).
-    """
+    """A block's scores, (batch, kv_heads, heads / kv_heads x queries, keys): multiplied in the compute dtype,
+    returned in fp32. The query heads of a key/value head are stacked as rows: keys are never repeated."""
     batch, heads, num_queries, head_dim = query.shape
     kv_heads, num_keys = key.shape[1], key.shape[2]
     grouped_query = query.reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)
@@ -786,11 +712,8 @@ def block_scores(query, key, scale, causal):
 
 
 def merge_block(output, lse, block_output, block_lse):
-    """Fold one block's attention into the running output and log-sum-exp (in place): the online softmax.
-
-    NOTE: each part is a softmax-weighted average over its own keys; weighting the two by their shares of the
-    total, exp(lse_part - lse_total), gives the average over all the keys, exactly.
-    """
+    """Fold one block's attention into the running output and log-sum-exp, in place: the two averages weighted
+    by their shares of the total, exp(lse_part - lse_total), are the average over all the keys."""
     total_lse = torch.logaddexp(lse, block_lse)
     output.mul_(torch.exp(lse - total_lse).unsqueeze(-1))
     output.add_(block_output * torch.exp(block_lse - total_lse).unsqueeze(-1))
@@ -798,15 +721,10 @@ def merge_block(output, lse, block_output, block_lse):
 
 
 def all_to_all_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
-    """All-to-all (DeepSpeed-Ulysses) attention, as a Hugging Face attention function.
-
-    NOTE: one all-to-all turns "this rank's tokens of every head" into "every token of this rank's heads", for ordinary
-    causal attention (SDPA) over the whole sequence; a second turns it back. --cp must divide the kv heads.
-    """
+    """All-to-all (DeepSpeed-Ulysses) attention: whole sequences of heads / cp heads through SDPA, and back."""
     group = cp_mesh.get_group()
     size = dist.get_world_size(group)
-    # NOTE: the sequence as the all-to-all gathers it is the ranks' chunks one after another: with load balancing
-    # not in order. layout[j] is the position of the j-th gathered token; argsort() puts them back in order.
+    # NOTE: the gathered tokens come in the ranks' order, not the sequence's (load balancing): layout maps them.
     layout = torch.cat([get_token_indices(query.shape[2] * size, rank, size, load_balance, query.device)
                         for rank in range(size)])
     query, key, value = (sequence_to_head_shards(states, group, layout) for states in (query, key, value))
@@ -819,7 +737,6 @@ def sequence_to_head_shards(states, group, layout):
     """(batch, heads, this rank's tokens, head_dim) -> (batch, heads / cp, all tokens in order, head_dim)."""
     size = dist.get_world_size(group)
     batch, heads, tokens, head_dim = states.shape
-    # NOTE: piece j (heads j x heads/cp onwards) goes to rank j; piece j received is rank j's tokens of our heads.
     pieces = states.reshape(batch, size, heads // size, tokens, head_dim).transpose(0, 1).contiguous()
     received = AllToAll.apply(pieces, group)
     gathered = received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * tokens, head_dim)
@@ -836,11 +753,7 @@ def head_to_sequence_shards(states, group, layout):
 
 
 class AllToAll(torch.autograd.Function):
-    """Send piece j (of the first dimension) to rank j and receive rank j's piece for this rank as piece j.
-
-    NOTE: the gradient of what rank j sent us must go back to rank j: the backward is the same exchange, of the
-    gradients. all_to_all_single exists on NCCL and on gloo.
-    """
+    """Piece j (of dimension 0) to rank j, rank j's back as piece j; backward: the same exchange of gradients."""
 
     @staticmethod
     def forward(ctx, pieces, group):
@@ -855,21 +768,6 @@ class AllToAll(torch.autograd.Function):
         grad_pieces = torch.empty_like(grad_received)
         dist.all_to_all_single(grad_pieces, grad_received, group=ctx.group)
         return grad_pieces, None
-
-
-def pytorch_ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
-    """PyTorch's ring attention (CUDA only): SDPA on DTensors sharded along the sequence.
-
-    NOTE: with the context-parallel dispatcher on (register_context_parallel_attention), SDPA on sequence-sharded
-    DTensors runs PyTorch's ring over the FlashAttention, memory-efficient or cuDNN kernel, forward and backward. Its
-    kernels want as many key/value heads as query heads: they are repeated here, and passed around the ring so.
-    """
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    query, key, value = (DTensor.from_local(states.contiguous(), cp_mesh, [Shard(2)], run_check=False)
-                         for states in (query, key, value))
-    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
-    return output.to_local().transpose(1, 2), None
 
 
 # 2. The data
@@ -1174,32 +1072,6 @@ class StepTimer:
             milliseconds = start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
             totals[name] = totals.get(name, 0.0) + milliseconds
         return totals
-
-
-
-# 6. The training step
-
-
-def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
-    """This rank's share of a micro-batch: (input_ids, position_ids, shift_labels, num_items_in_batch).
-
-    NOTE: the labels are shifted on the whole sequence, before the split: the label of a rank's last token is the first
-    token of the next chunk, held by another rank; shifted after the split it would be lost, and the last chunk's final
-    token, which predicts nothing, would get one. The rotary embeddings' positions are cut from it too.
-    """
-    shift_labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
-    # NOTE: the count of all predicted tokens in the global micro-batch (every dp rank's sequences, before the
-    # split): the denominator of the mean. Each rank divides its own tokens' summed loss by it; the ranks' counts
-    # differ (one holds the last token, which predicts nothing), so sums and counts are reduced, never means.
-    num_items_in_batch = (shift_labels != -100).sum()
-    dist.all_reduce(num_items_in_batch, group=dp_mesh.get_group())
-    if cp_mesh.size() == 1:
-        # NOTE: whole sequences: nothing to cut, and the model numbers the positions itself.
-        return input_ids, None, shift_labels, num_items_in_batch
-    token_indices = get_token_indices(input_ids.shape[1], cp_mesh.get_local_rank(), cp_mesh.size(), load_balance,
-                                      input_ids.device)
-    position_ids = token_indices.expand(input_ids.shape[0], -1)
-    return input_ids[:, token_indices], position_ids, shift_labels[:, token_indices], num_items_in_batch
 
 
 if __name__ == "__main__":

@@ -1051,7 +1051,7 @@ def time_ring_block(settings):
         ring = {"forward": torch.no_grad()(lambda: chapter.attention_block(query, key, value, scale, True)),
                 "backward": torch.no_grad()(lambda: chapter.attention_block_backward(
                     grad, query, key, value, lse, delta, scale, True))}
-        # NOTE: the flash kernel wants as many key/value heads as query heads (as chapter 09's pytorch form does).
+        # NOTE: the flash kernel wants as many key/value heads as query heads.
         full_key, full_value = (states.detach().repeat_interleave(heads // kv_heads, dim=1).requires_grad_()
                                 for states in (key, value))
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):

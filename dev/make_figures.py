@@ -16,7 +16,7 @@ The figures, and the runs each one is drawn from (the tables below list them; a 
     08-pipeline-parallel/pipeline-schedules.png   GPipe, 1F1B and interleaved 1F1B timelines measured at 4
                                 micro-batches (tools/measure_pipeline.py; its bubble table takes longer: run it alone)
     09-context-parallel/load-balanced-layout.png  which rank computes which part of the causal attention, from
-                                chapter 09's own token split (tools/draw_context_parallel_layout.py)
+                                chapter 09's own token split (09-context-parallel/draw_context_parallel_layout.py)
 
 Everything runs on the CPU with the bundled tiny model and corpus; a full run took 32 minutes on 2 busy cores
 (--reuse redraws from the runs a previous call left in --work-dir, in seconds).
@@ -297,7 +297,7 @@ def make_pipeline_schedules(runner, out_dir):
 
 def make_context_parallel_layout(runner, out_dir):
     path = chapter_figure(out_dir, "09", "load-balanced-layout.png")
-    runner.run_tool("context-parallel-layout", "draw_context_parallel_layout.py", "--out", path)
+    runner.run_tool("context-parallel-layout", REPO / CHAPTERS["09"] / "draw_context_parallel_layout.py", "--out", path)
     return path
 
 

@@ -119,11 +119,11 @@ LINEAGE = {
         "get_device_mesh": "the (dp, cp) mesh",
         "check_context_parallel": "a split that cannot be made gets a one-line error",
         "register_context_parallel_attention": "the attention across the split registered with transformers",
-        "# 1b. Attention across the split: each rank holds some tokens of every sequence, and attention needs them all":
-            "the section of the split attention",
+        "# 1b. Attention across the split": "the section of the split attention",
         "get_token_indices": "each rank's tokens, load-balanced or not",
         "ring_attention": "ring attention",
         "RingAttention": "its autograd function",
+        "ring_steps": "the ring's steps, the next block in flight while one computes",
         "start_ring_pass": "the ring's send and receive",
         "visible_block": "which blocks a causal query sees",
         "attention_block": "one block's attention",
@@ -134,8 +134,6 @@ LINEAGE = {
         "sequence_to_head_shards": "its first all-to-all",
         "head_to_sequence_shards": "its second",
         "AllToAll": "its autograd function",
-        "pytorch_ring_attention": "PyTorch's context_parallel(), on CUDA",
-        "# 6. The training step": "the section of the training step's helpers",
         "get_model_inputs": "each rank's share of the sequences, positions and labels cut before the split",
     },
 }

@@ -1,6 +1,6 @@
 """Measure what context parallelism saves and what load balancing evens out (chapter 09), on the CPU.
 
-    torchrun --standalone --nproc-per-node 4 tools/measure_context_parallel.py
+    torchrun --standalone --nproc-per-node 4 09-context-parallel/measure_context_parallel.py
 
 1. Activation memory per rank against the sequence length, for cp 1, 2 and 4 (on 4 processes: meshes (4, 1),
    (2, 2) and (1, 4)): the bytes autograd keeps from one forward pass of the bundled tiny Llama (batch 1) for the
@@ -37,7 +37,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, L
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CHAPTER = REPO_ROOT / "09-context-parallel" / "train_llm.py"
+CHAPTER = Path(__file__).resolve().parent / "train_llm.py"
 
 
 def main():

@@ -1,7 +1,7 @@
 """Draw chapter 09's picture of causal load balancing: which rank computes which part of the attention matrix.
 
-    python tools/draw_context_parallel_layout.py     # writes 09-context-parallel/load-balanced-layout.png
-    python tools/draw_context_parallel_layout.py --out layout.png
+    python 09-context-parallel/draw_context_parallel_layout.py     # writes 09-context-parallel/load-balanced-layout.png
+    python 09-context-parallel/draw_context_parallel_layout.py --out layout.png
 
 The sequence of one example is cut into 2 x cp chunks (cp = 4: 8 chunks). Each cell of the grid is a chunk of
 queries (row) against a chunk of keys (column); the causal mask leaves the cells on and below the diagonal (a cell
@@ -18,8 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend that needs no display)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-OUTPUT = REPO_ROOT / "09-context-parallel" / "load-balanced-layout.png"
+CHAPTER_DIR = Path(__file__).resolve().parent
+OUTPUT = CHAPTER_DIR / "load-balanced-layout.png"
 CP = 4
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52"]
 
@@ -28,7 +28,7 @@ def main():
     parser = argparse.ArgumentParser(description="Draw chapter 09's picture of causal load balancing.")
     parser.add_argument("--out", type=Path, default=OUTPUT, help="the PNG to write (default: the chapter's)")
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("train_llm_09", REPO_ROOT / "09-context-parallel" / "train_llm.py")
+    spec = importlib.util.spec_from_file_location("train_llm_09", CHAPTER_DIR / "train_llm.py")
     chapter = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(chapter)
     chunks = 2 * CP
