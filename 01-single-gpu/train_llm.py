@@ -42,7 +42,7 @@ def main():
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
     # 1. The model: built from its config (untrained), every parameter initialized from the seed.
-    with explain_load_errors(f"-m {args.model_name}", "pass a folder with config.json or a hub name"):
+    with explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
         config = AutoConfig.from_pretrained(args.model_name)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
@@ -86,10 +86,11 @@ def main():
     # 6. The training loop.
     model.train()
     micro_batches = get_micro_batches(dataset, args, train_state, device)
+    first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
-    for step in range(train_state["step"] + 1, last_step + 1):
+    for step in range(first_step, last_step + 1):
         timer = StepTimer(device)
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
@@ -118,11 +119,12 @@ def main():
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
-            log_metrics(metrics_file, {
+            record = {
                 "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                 "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                 "mfu": tokens_per_second * flops_per_token / peak_flops if peak_flops else None,
-                **read_and_reset_memory_stats(device), **timer.read_ms()})
+                **read_and_reset_memory_stats(device), **timer.read_ms()}
+            log_metrics(metrics_file, record)
         if step % args.ckpt_freq == 0 or step == last_step:
             save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config)
 

@@ -26,6 +26,7 @@ LINEAGE = {
         "get_parser": "the --zero1 option, and --dist-timeout, the process group's timeout",
         "parse_args": "--dist-timeout must be at least 1 second too",
         "setup_logging": "every log line says which rank wrote it",
+        "get_micro_batches": "each rank's micro-batches",
         "get_dataloader": "each rank reads its own share of each global batch: the epoch's order is cut at the global "
                           "data position, then dealt out by DistributedSampler, so a checkpoint resumes exactly on "
                           "another world size",
