@@ -153,18 +153,15 @@ def main():
         wandb.init(project=args.wandb_project, name=args.experiment_name, id=get_wandb_run_id(experiment_dir),
                    resume="allow", dir=experiment_dir, mode=get_wandb_mode(args.wandb_mode), config=vars(args))
         metrics_file = open(experiment_dir / "metrics.jsonl", "a")
-        pipeline_file = open(experiment_dir / "pipeline.jsonl", "a")
     peak_flops = get_peak_flops(device, dtype)
 
     # 6. The training loop, one pipeline schedule per micro-step.
     model.train()
-    recorder = PipelineRecorder()
-    # NOTE: the loss of each micro-batch is its mean over its tokens, divided by the number of micro-batches of the
-    # step: their sum is the mean over the whole batch, chapter 01's loss. scale_grads=False in the schedule then,
-    # or it would divide the gradients by the number of micro-batches a second time.
-    loss_fn = recorder.timed_loss(get_loss_function(model, config, num_microbatches * args.grad_accum))
+    # NOTE: each micro-batch's loss is its mean divided by the step's micro-batches: their sum is chapter 01's loss.
+    # scale_grads=False in the schedule then, or it would divide the gradients by their number a second time.
+    loss_fn = get_loss_function(model, config, num_microbatches * args.grad_accum)
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
-        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device, recorder)
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
     steps_this_run, tokens_since_log, time_of_last_log = 0, 0, time.perf_counter()
@@ -176,8 +173,7 @@ def main():
                                     dp_rank, dp_size)
         micro_batches = iter(dataloader)
         for _ in range(len(dataloader) // args.grad_accum):
-            timer = StepTimer(device)
-            recorder.start_step(timer)
+            timer = FSDPPipelineStage.timer = StepTimer(device)
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
@@ -222,10 +218,8 @@ def main():
                 tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
                 tokens_since_log, time_of_last_log = 0, time.perf_counter()
                 times = timer.read_ms()
-                # NOTE: the forward (with the loss), backward and gradient-reduction spans lie inside the pipeline span:
-                # the rest of it, this rank waited for its neighbours (the bubble) or for the point-to-point transfers.
+                # NOTE: the rest of the pipeline span, this rank waited for its neighbours (the bubble) or transfers.
                 times["idle"] = times.pop("pipeline") - times["forward"] - times["backward"] - times["reduce"]
-                pipeline_stats = gather_pipeline_stats(recorder, timer, rank, pp_mesh.get_local_rank(), dp_rank)
                 record = {
                     "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
@@ -233,8 +227,6 @@ def main():
                     **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in times.items()},
                 }
                 if rank == 0:
-                    record["pipeline_idle_fraction"] = log_pipeline_stats(step, args, num_microbatches, pipeline_stats,
-                                                                          pipeline_file)
                     log_metrics(record, metrics_file)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
@@ -251,7 +243,6 @@ def main():
     progress_bar.close()
     if rank == 0:
         metrics_file.close()
-        pipeline_file.close()
         wandb.finish()
     LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
     dist.destroy_process_group()
@@ -958,20 +949,18 @@ class StepTimer:
 
 
 def get_loss_function(model, config, loss_scale):
-    """The loss the last stage computes from each micro-batch's logits: Hugging Face's, divided by loss_scale."""
+    """The last stage's loss of each micro-batch's logits: Hugging Face's, divided by loss_scale, timed as forward."""
     def loss_function(logits, labels):
-        return model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size) / loss_scale
+        with FSDPPipelineStage.timer("forward"):
+            return model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size) / loss_scale
     return loss_function
 
 
-def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device, recorder):
-    """Wrap this rank's stages in PipelineStages and give them to the schedule; also say whether this rank runs the
-    first stage (it takes the tokens) and the last (it takes the labels and has the loss)."""
+def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device):
+    """The schedule of this rank's stages, and whether it runs the first stage (the tokens) and the last (the loss)."""
     num_stages = pp_mesh.size() * len(stage_modules)
-    # NOTE: a PipelineStage sends its outputs to the next stage's rank and receives the gradients back, over the pp
-    # group: the ranks of one column of the mesh. It learns the shapes to expect from a first micro-batch.
-    stages = [RecordedPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group(),
-                                    recorder=recorder) for module in stage_modules]
+    stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group())
+              for module in stage_modules]
     schedule_class = get_schedule_class(PIPELINE_SCHEDULES[schedule_name])
     one_stage_per_rank = issubclass(schedule_class, PipelineScheduleSingle)
     schedule = schedule_class(stages[0] if one_stage_per_rank else stages, n_microbatches=num_microbatches,
@@ -979,88 +968,28 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
     return schedule, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
 
 
-class RecordedPipelineStage(PipelineStage):
-    """A PipelineStage whose every micro-batch forward and backward is timed and recorded by a PipelineRecorder."""
+class FSDPPipelineStage(PipelineStage):
+    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in the step's timer."""
+    timer = None  # this step's StepTimer, set by main()
 
-    def __init__(self, *args, recorder, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.recorder = recorder
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.timer("forward"):
+            return super().forward_one_chunk(*args, **kwargs)
 
-    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        with self.recorder.computation("forward", self.stage_index, fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
-        with self.recorder.computation("backward", self.stage_index, bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.timer("backward"):
+            return super().backward_one_chunk(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        # NOTE: PipelineStage would turn FSDP's gradient sync off until the step's end: the stage's whole gradients
-        # unsharded in fp32 all step. Reduce-scatter each layer's in each backward instead, as chapter 04 does.
+        # NOTE: PipelineStage would keep FSDP's gradients unsharded in fp32 until the step's end; reduce-scatter each
+        # layer's in each backward instead, as chapter 04 does.
         self.submod.set_is_last_backward(False)
         self.submod.set_reshard_after_backward(self.group_size == 1)
         return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
 
     def perform_reduce_grad(self, grad_scale_factor):
-        with self.recorder.computation("reduce", self.stage_index, None):
+        with self.timer("reduce"):
             return super().perform_reduce_grad(grad_scale_factor)
-
-
-class PipelineRecorder:
-    """What this rank's stages compute in a step: when each micro-batch's forward, loss and backward ran and the step's
-    last gradient reduction (reduce), and the activations each micro-batch keeps from its forward to its backward.
-
-    NOTE: the time a rank spends in the schedule outside these computations, it waits (for a neighbour's activations or
-    gradients, or the transfers): the pipeline's bubble, measured. The activations are the tensors autograd saves for
-    the backward (saved-tensor hooks, as in chapter 05), each storage once, no weights. A micro-batch holds them from
-    its forward until its backward, so how many a stage holds depends on the schedule (GPipe runs all forwards first).
-    """
-
-    def start_step(self, timer):
-        """Forget the last step's records and record this one, timed by the step's own timer."""
-        self.timer = timer
-        self.events = []
-        self.saved_bytes = {}
-        self.held_bytes = self.peak_bytes = self.peak_microbatches = 0
-
-    @contextlib.contextmanager
-    def computation(self, kind, stage_index, microbatch):
-        storages = {}
-
-        def count_saved_tensor(tensor):
-            base = tensor if tensor._base is None else tensor._base
-            if not isinstance(base, torch.nn.Parameter):
-                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
-        with self.timer("forward" if kind == "loss" else kind):
-            with torch.autograd.graph.saved_tensors_hooks(count_saved_tensor, lambda tensor: tensor):
-                yield
-        _, start, end = self.timer.spans[-1]
-        self.events.append((kind, stage_index, microbatch, start, end))
-        key = (stage_index, microbatch)
-        if kind == "backward":
-            self.held_bytes -= self.saved_bytes.pop(key, 0)
-        elif kind != "reduce":
-            self.saved_bytes[key] = self.saved_bytes.get(key, 0) + sum(storages.values())
-            self.held_bytes += sum(storages.values())
-            if self.held_bytes > self.peak_bytes:
-                self.peak_bytes = self.held_bytes
-                self.peak_microbatches = len({microbatch for _, microbatch in self.saved_bytes})
-
-    def timed_loss(self, loss_function):
-        """The loss function, recorded as part of the last stage's forward of each micro-batch.
-
-        NOTE: the schedule calls it right after the last stage's forward of each micro-batch. The stage calls it
-        once more on its own, before the first step: a trial forward and backward to learn the shapes it will send.
-        """
-        def recorded_loss_function(logits, labels):
-            if not self.events or self.events[-1][0] != "forward":
-                return loss_function(logits, labels)
-            stage_index, microbatch = self.events[-1][1:3]
-            with self.computation("loss", stage_index, microbatch):
-                return loss_function(logits, labels)
-        return recorded_loss_function
 
 
 @torch.no_grad()
@@ -1079,52 +1008,6 @@ def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
     grad_norm = squared_norm.sqrt()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, grad_norm)
     return grad_norm
-
-
-def gather_pipeline_stats(recorder, timer, rank, pp_rank, dp_rank):
-    """Every rank's pipeline figures of this step, on rank 0 (None elsewhere), in ms from its first schedule's start.
-
-    NOTE: call it after timer.read_ms(), which waits for the GPU, and on logging steps only: it communicates.
-    """
-    pipeline_spans = [(start, end) for name, start, end in timer.spans if name == "pipeline"]
-    reference = pipeline_spans[0][0]
-
-    def milliseconds(mark):
-        return reference.elapsed_time(mark) if timer.use_cuda_events else (mark - reference) * 1000
-
-    events = [(kind, stage, microbatch, milliseconds(start), milliseconds(end))
-              for kind, stage, microbatch, start, end in recorder.events]
-    stats = {"rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "stages": sorted({stage for _, stage, *_ in events}),
-             "pipeline_ms": sum(milliseconds(end) - milliseconds(start) for start, end in pipeline_spans),
-             "busy_ms": sum(end - start for kind, *_, start, end in events if kind != "reduce"),
-             "reduce_ms": sum(end - start for kind, *_, start, end in events if kind == "reduce"),
-             "peak_activations_mb": recorder.peak_bytes / 1e6,
-             "peak_microbatches": recorder.peak_microbatches, "events": events}
-    all_stats = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(stats, all_stats, dst=0)
-    return all_stats
-
-
-def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
-    """Log each stage's idle share of the step and its peak activations, write the step's timeline of every rank to
-    pipeline.jsonl, and return the idle share averaged over the ranks of the first pipeline.
-
-    NOTE: a stage's own time in the schedule is not the pipeline's: the last stage leaves once its last backward is
-    done, and waits for the first stage's in the next collective (the gradient norm's). The pipeline's step lasts as
-    long as its longest rank's schedule, the first stage's; each stage is idle for that minus its own computations.
-    """
-    first_pipeline = [stats for stats in all_stats if stats["dp_rank"] == 0]
-    pipeline_ms = max(stats["pipeline_ms"] for stats in first_pipeline)
-    idle_fractions = [1 - (stats["busy_ms"] + stats["reduce_ms"]) / pipeline_ms for stats in first_pipeline]
-    LOGGER.info(f"pipeline {args.pp_schedule}, {num_microbatches} micro-batches, {pipeline_ms:.0f} ms: " + "; ".join(
-        f"stages {stats['stages']} busy {stats['busy_ms']:.0f} ms, reduce {stats['reduce_ms']:.0f} ms, idle "
-        f"{pipeline_ms - stats['busy_ms'] - stats['reduce_ms']:.0f} ms "
-        f"({idle:.0%}), peak activations {stats['peak_activations_mb']:.1f} MB (micro-batches in flight: "
-        f"{stats['peak_microbatches']})" for stats, idle in zip(first_pipeline, idle_fractions)))
-    pipeline_file.write(json.dumps({"step": step, "schedule": args.pp_schedule, "pp": args.pp,
-                                    "microbatches": num_microbatches, "ranks": all_stats}) + "\n")
-    pipeline_file.flush()
-    return sum(idle_fractions) / len(idle_fractions)
 
 
 if __name__ == "__main__":

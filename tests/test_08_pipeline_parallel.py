@@ -23,6 +23,7 @@ import estimate_memory  # noqa: E402
 from measure_step import read_measurements  # noqa: E402
 
 README = REPO / CHAPTERS["08"] / "README.md"
+MEASURE_PIPELINE = REPO / CHAPTERS["08"] / "measure_pipeline.py"
 STEPS, HALF = 6, 3
 # NOTE: the gradient norm of these first steps is 2 to 6: clipping at 0.5 scales every step's gradients, so a norm
 # computed over one stage only would change the training (and the logged norm) at once.
@@ -72,8 +73,12 @@ def largest_weight_difference(checkpoint_a, checkpoint_b, scratch_dir):
     return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
 
 
-def pipeline_records(experiment):
-    """pipeline.jsonl: per logging step, every rank's busy time, timeline and peak activations."""
+def pipeline_records(runs, env, case):
+    """The layout's run recorded by measure_pipeline.py --record: its pipeline.jsonl, per logging step, every rank's
+    busy time, timeline and peak activations."""
+    nproc, flags = LAYOUTS[case]
+    _, experiment = runs.train("08", env, *COMMON, *flags, nproc=nproc,
+                               launcher=[*torchrun(nproc), MEASURE_PIPELINE, "--record"])
     return [json.loads(line) for line in (experiment / "pipeline.jsonl").read_text().splitlines()]
 
 
@@ -148,7 +153,7 @@ def microbatch_order(record, pp_rank):
 
 
 def test_each_schedule_runs_the_micro_batches_in_its_order(env, runs):
-    gpipe, one_f_one_b = (pipeline_records(layout_run(runs, env, case)[1])[-1] for case in ["pp2-gpipe", "pp2-1f1b"])
+    gpipe, one_f_one_b = (pipeline_records(runs, env, case)[-1] for case in ["pp2-gpipe", "pp2-1f1b"])
     forwards = [("F", None, i) for i in range(4)]
     backwards = [("B", None, i) for i in range(4)] + [("R", None, None)]
 
@@ -172,7 +177,7 @@ def test_each_schedule_runs_the_micro_batches_in_its_order(env, runs):
     # Interleaved: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3; each micro-batch goes 0 -> 1 -> 2 -> 3 and
     # back. Rank r runs (stages per rank - 1) x p + 2 x (p - 1 - r) forwards ahead (4 of 4 on rank 0, 2 on rank 1),
     # then alternates; its later stage's backwards come first, each stage reducing after its last. Twice: 2 micro-steps.
-    interleaved = pipeline_records(layout_run(runs, env, "pp2-interleaved-1f1b")[1])[-1]
+    interleaved = pipeline_records(runs, env, "pp2-interleaved-1f1b")[-1]
     micro_step = {0: [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("B", 2, 0), ("B", 2, 1), ("R", 2, None),
                       ("B", 0, 0), ("B", 0, 1), ("R", 0, None)],
                   1: [("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("B", 3, 0), ("F", 3, 1), ("B", 3, 1), ("R", 3, None),
@@ -187,7 +192,7 @@ def test_1f1b_holds_the_activations_of_fewer_micro_batches_than_gpipe(env, runs)
     lines = []
     peaks = {}
     for case in ["pp2-gpipe", "pp2-1f1b"]:
-        record = pipeline_records(layout_run(runs, env, case)[1])[-1]
+        record = pipeline_records(runs, env, case)[-1]
         for stats in record["ranks"]:
             peaks[case, stats["pp_rank"]] = (stats["peak_microbatches"], stats["peak_activations_mb"])
             lines.append(f"{case} stage {stats['pp_rank']}: {stats['peak_microbatches']} micro-batches, "
