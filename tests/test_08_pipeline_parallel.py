@@ -206,6 +206,22 @@ def test_1f1b_holds_the_activations_of_fewer_micro_batches_than_gpipe(env, runs)
         assert one_f_one_b_mb == pytest.approx(gpipe_mb * held / 4, rel=0.01)
 
 
+def test_measure_pipeline_tables_each_schedule_and_draws_its_timeline(env, tmp_path):
+    """The README's measurement, small: 1F1B with 2 stages at m = 1 (a layout the script refuses: a row of its own)
+    and m = 2 (the formula's (p-1)/(m+p-1) = 33%, stage 0 holding 2 micro-batches, stage 1 one), 3 steps."""
+    import re
+
+    figure = tmp_path / "schedules.png"
+    result = run([sys.executable, MEASURE_PIPELINE, "--schedules", "1f1b", "--microbatches", "1", "2", "--steps", "3",
+                  "--figure-microbatches", "2", "--figure", figure], env, tmp_path)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 1f1b |")]
+    print("\n" + "\n".join(rows))
+    assert len(rows) == 3 and rows[0].startswith("| 1f1b | 1 | | error: --pp-schedule 1f1b needs"), result.stdout
+    assert re.fullmatch(r"\| 1f1b \| 2 \| 33% \| (\d+, \d+, \*\*\d+%\*\* \| ){2}", rows[1] + " "), rows[1]
+    assert re.fullmatch(r"\| 1f1b \| 2 \| 2, [\d.]+ \| 1, [\d.]+ \|", rows[2]), rows[2]
+    assert figure.read_bytes().startswith(b"\x89PNG")
+
+
 @pytest.mark.parametrize("case", ["pp2-1f1b", "pp2-dp2-1f1b"])
 def test_tokens_per_second_counts_each_token_once(env, runs, case):
     """The stages of a pipeline train the same sequences: a step trains batch x grad-accum x seq x dp tokens, not
