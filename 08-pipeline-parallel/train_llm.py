@@ -1,9 +1,8 @@
 """Chapter 08: pipeline parallelism: the model's layers cut into stages, micro-batches flowing through them.
 
-The ranks form a (pp, dp) grid. Each row of dp ranks runs one stage, a run of consecutive decoder layers, and shards
-it between them with FSDP as in chapter 04. Each batch is cut into micro-batches that flow through the stages one
-after the other: while stage 1 computes micro-batch 0, stage 0 computes micro-batch 1. Only the activations (forward)
-and their gradients (backward) cross between stages, point to point, from one stage to the next.
+The ranks form a (pp, dp) grid: each row of dp ranks runs one stage (consecutive decoder layers), sharded between
+them with FSDP as in chapter 04. Each batch is cut into micro-batches that flow through the stages; only the
+activations and their gradients cross between stages, point to point.
 
 On a machine without a GPU, 2 stages:
 
@@ -91,15 +90,13 @@ def main():
             "--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install "
             "flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
-    # NOTE: the pp dimension first: consecutive ranks (one node's GPUs) hold the same stage and shard it between
-    # them with FSDP; only the activations at the stage boundaries cross to the next row (the next node).
+    # NOTE: pp first: consecutive ranks (a node's GPUs) shard one stage; only activations cross to the next node.
     mesh = init_device_mesh(device.type, (args.pp, world_size // args.pp), mesh_dim_names=("pp", "dp"))
     pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
     # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"
-    # in a second on any machine. split_into_stages() then drops what other ranks' stages own, fully_shard()
-    # replaces every parameter by a DTensor holding this rank's shard, still on meta; to_empty() allocates only
-    # those shards on the device; init_weights() fills them.
+    # in a second on any machine. fully_shard() then replaces every parameter by a DTensor holding this rank's
+    # shard, still on meta; to_empty() allocates only those shards on the device; init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(args.attn_implementation), dtype=torch.float32)
@@ -121,8 +118,7 @@ def main():
     with rank_zero_first():
         tokenizer = load_tokenizer(args.model_name)
         dataset = load_and_tokenize_dataset(args, tokenizer)
-    # NOTE: the stages of one pipeline read the same batch (the first needs the tokens, the last the labels); data
-    # parallelism runs across the pipelines. The data-parallel rank and size come from the mesh's dp dimension only.
+    # NOTE: a pipeline's stages read the same batch (the tokens, the labels); data parallelism runs across pipelines.
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     samples_per_step = args.batch_size * args.grad_accum * dp_size
     steps_per_epoch = len(dataset) // samples_per_step
@@ -134,8 +130,8 @@ def main():
     # 3. The optimizer and the learning rate schedule.
     # NOTE: fused=True runs AdamW's whole update as one kernel per group of tensors, on the GPU and on the CPU alike.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
-    # NOTE: the parameters are this rank's shards of its stages only, so AdamW keeps moments for those only: the
-    # optimizer state is split with no change to the optimizer.
+    # NOTE: the parameters are this rank's shards, so AdamW keeps moments for the shards only: the optimizer
+    # state is sharded with no change to the optimizer.
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -153,18 +149,15 @@ def main():
         wandb.init(project=args.wandb_project, name=args.experiment_name, id=get_wandb_run_id(experiment_dir),
                    resume="allow", dir=experiment_dir, mode=get_wandb_mode(args.wandb_mode), config=vars(args))
         metrics_file = open(experiment_dir / "metrics.jsonl", "a")
-        pipeline_file = open(experiment_dir / "pipeline.jsonl", "a")
     peak_flops = get_peak_flops(device, dtype)
 
     # 6. The training loop, one pipeline schedule per micro-step.
     model.train()
-    recorder = PipelineRecorder()
-    # NOTE: the loss of each micro-batch is its mean over its tokens, divided by the number of micro-batches of the
-    # step: their sum is the mean over the whole batch, chapter 01's loss. scale_grads=False in the schedule then,
-    # or it would divide the gradients by the number of micro-batches a second time.
-    loss_fn = recorder.timed_loss(get_loss_function(model, config, num_microbatches * args.grad_accum))
+    # NOTE: each micro-batch's loss is its mean divided by the step's micro-batches: their sum is chapter 01's loss.
+    # scale_grads=False in the schedule then, or it would divide the gradients by their number a second time.
+    loss_fn = get_loss_function(model, config, num_microbatches * args.grad_accum)
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
-        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device, recorder)
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device)
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
                         disable=rank != 0)
     steps_this_run, tokens_since_log, time_of_last_log = 0, 0, time.perf_counter()
@@ -176,16 +169,13 @@ def main():
                                     dp_rank, dp_size)
         micro_batches = iter(dataloader)
         for _ in range(len(dataloader) // args.grad_accum):
-            timer = StepTimer(device)
-            recorder.start_step(timer)
+            timer = FSDPPipelineStage.timer = StepTimer(device)
             step_loss = torch.zeros((), device=device)
             for _ in range(args.grad_accum):
                 with timer("data"):
                     input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
-                # NOTE: one call runs the whole schedule: it cuts the batch into micro-batches, runs this rank's
-                # stages' forwards and backwards in the schedule's order, receives and sends the activations and
-                # their gradients, and reduce-scatters the gradients (FSDP) after the last backward. The first stage
-                # takes the tokens, the last the labels (Hugging Face's loss shifts them: token t predicts t + 1).
+                # NOTE: the first stage takes the tokens, the last the labels (Hugging Face's loss shifts them: token
+                # t predicts t + 1); the schedule cuts them into micro-batches.
                 losses = [] if has_last_stage else None
                 with timer("pipeline"):
                     schedule.step(*([input_ids] if has_first_stage else []),
@@ -211,9 +201,8 @@ def main():
             done = step == max_steps or steps_this_run == args.exit_after_steps
 
             if step % args.log_freq == 0 or done:
-                # NOTE: each last-stage rank's loss is the mean over its own share of the batch, every other rank's
-                # is 0: the sum over all ranks divided by the dp size is the loss of the global batch, and it
-                # reaches rank 0 (on the first stage) with it. (gloo has no ReduceOp.AVG, so sum and divide.)
+                # NOTE: last-stage ranks hold the mean over their share of the batch, the others 0: the sum / dp is
+                # the loss of the global batch. (gloo has no ReduceOp.AVG, so sum and divide.)
                 dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
                 step_loss /= dp_size
                 # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
@@ -222,10 +211,8 @@ def main():
                 tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
                 tokens_since_log, time_of_last_log = 0, time.perf_counter()
                 times = timer.read_ms()
-                # NOTE: the forward (with the loss), backward and gradient-reduction spans lie inside the pipeline span:
-                # the rest of it, this rank waited for its neighbours (the bubble) or for the point-to-point transfers.
+                # NOTE: the rest of the pipeline span, this rank waited for its neighbours (the bubble) or transfers.
                 times["idle"] = times.pop("pipeline") - times["forward"] - times["backward"] - times["reduce"]
-                pipeline_stats = gather_pipeline_stats(recorder, timer, rank, pp_mesh.get_local_rank(), dp_rank)
                 record = {
                     "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                     "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
@@ -233,8 +220,6 @@ def main():
                     **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in times.items()},
                 }
                 if rank == 0:
-                    record["pipeline_idle_fraction"] = log_pipeline_stats(step, args, num_microbatches, pipeline_stats,
-                                                                          pipeline_file)
                     log_metrics(record, metrics_file)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
@@ -251,7 +236,6 @@ def main():
     progress_bar.close()
     if rank == 0:
         metrics_file.close()
-        pipeline_file.close()
         wandb.finish()
     LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
     dist.destroy_process_group()
@@ -299,14 +283,10 @@ def get_parser():
                              help="default: online if you are logged in to wandb, offline otherwise")
     checkpoints.add_argument("--wandb-project", default="distributed-training-guide")
     parallelism = parser.add_argument_group("parallelism")
-    parallelism.add_argument("--pp", type=int, default=1,
-                             help="pipeline-parallel degree; the world size / pp pipelines train FSDP data parallel")
-    parallelism.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b",
-                             help="the order in which each stage runs the micro-batches' forwards and backwards")
-    parallelism.add_argument("--pp-microbatches", type=int, default=None,
-                             help="micro-batches per --batch-size (default: --batch-size, one sequence each)")
-    parallelism.add_argument("--pp-stages-per-rank", type=int, default=None,
-                             help="stages of the model on each rank (default: 1; 2 for interleaved-1f1b)")
+    parallelism.add_argument("--pp", type=int, default=1, help="pipeline stages; world size / pp pipelines run FSDP")
+    parallelism.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b")
+    parallelism.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
+    parallelism.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved)")
     parallelism.add_argument("--dist-timeout", type=int, default=600,
                              help="seconds a collective waits for the other ranks before the job fails, any backend")
     parallelism.add_argument("--rdzv-timeout", type=int, default=300,
@@ -482,52 +462,44 @@ def get_attention_kwargs(attn_implementation, input_ids):
     return dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=seq_length, max_length_k=seq_length)
 
 
-# --pp-schedule: torch.distributed.pipelining's schedule of each name (get_schedule_class() knows them by these).
+# --pp-schedule's names of torch.distributed.pipelining's schedules (as get_schedule_class() knows them).
 PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
 
 
 def check_pipeline_layout(args, world_size, config):
     """The stages per rank and the micro-batches per micro-step, or a one-line error if they cannot be made."""
-    require(args.pp >= 1 and world_size % args.pp == 0, f"--pp {args.pp} does not divide the world size "
-            f"{world_size}; use a divisor of {world_size}, usually the number of nodes (each pipeline stage on the "
-            "GPUs of one node)")
+    require(args.pp >= 1 and world_size % args.pp == 0,
+            f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}")
     one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
     stages_per_rank = args.pp_stages_per_rank or (1 if one_stage_per_rank else 2)
     require(not one_stage_per_rank or stages_per_rank == 1, f"--pp-schedule {args.pp_schedule} runs one stage per "
-            f"rank, not --pp-stages-per-rank {stages_per_rank}; use --pp-schedule interleaved-1f1b for several")
-    require(one_stage_per_rank or stages_per_rank >= 2, f"--pp-schedule {args.pp_schedule} interleaves several "
-            f"stages on each rank, not --pp-stages-per-rank {stages_per_rank}; use 2 or more, or --pp-schedule 1f1b")
-    num_stages = args.pp * stages_per_rank
-    require(num_stages <= config.num_hidden_layers, f"{num_stages} pipeline stages (--pp {args.pp} x "
-            f"{stages_per_rank} per rank) for a model of {config.num_hidden_layers} decoder layers: every stage "
-            "needs at least one; use fewer stages")
-    require(num_stages <= 1 or not config.tie_word_embeddings, "the model ties its output head to its input "
-            "embeddings (tie_word_embeddings), and the first and last pipeline stages cannot share one weight; use "
-            "--pp 1 with --pp-schedule 1f1b or gpipe, or an untied model")
+            f"rank, not --pp-stages-per-rank {stages_per_rank}; use interleaved-1f1b")
+    require(one_stage_per_rank or stages_per_rank >= 2, f"--pp-schedule {args.pp_schedule} needs 2 or more "
+            f"--pp-stages-per-rank, not {stages_per_rank}; or use --pp-schedule 1f1b")
+    num_stages, num_layers = args.pp * stages_per_rank, config.num_hidden_layers
+    require(num_stages <= num_layers, f"{num_stages} pipeline stages (--pp {args.pp} x {stages_per_rank} per rank) "
+            f"for {num_layers} decoder layers; use at most {num_layers}")
+    require(num_stages <= 1 or not config.tie_word_embeddings, "tie_word_embeddings: the first and last stages "
+            "cannot share one weight; use one stage or an untied model")
     num_microbatches = args.pp_microbatches or args.batch_size
-    require(num_microbatches >= 1 and args.batch_size % num_microbatches == 0, "--pp-microbatches "
-            f"{num_microbatches} does not divide --batch-size {args.batch_size}; use a divisor of {args.batch_size} "
-            "(or a --batch-size that it divides)")
-    # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward: there must be enough.
+    require(num_microbatches >= 1 and args.batch_size % num_microbatches == 0, f"--pp-microbatches "
+            f"{num_microbatches} does not divide --batch-size {args.batch_size}; use a divisor of {args.batch_size}")
+    # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward.
     require(args.pp_schedule != "1f1b" or num_microbatches >= num_stages, "--pp-schedule 1f1b needs at least one "
-            f"micro-batch per stage, {num_stages}, not --pp-microbatches {num_microbatches}; use more micro-batches "
-            "(and a --batch-size they divide), or --pp-schedule gpipe")
-    # NOTE: the interleaved schedule runs the micro-batches in rounds of up to --pp of them, all rounds equal.
+            f"micro-batch per stage, {num_stages}, not --pp-microbatches {num_microbatches}; or use gpipe")
+    # NOTE: the interleaved schedule runs the micro-batches in equal rounds of up to --pp of them.
     rounds = max(1, num_microbatches // args.pp)
-    require(one_stage_per_rank or num_microbatches % rounds == 0, f"--pp-schedule {args.pp_schedule} runs the "
-            f"micro-batches in {rounds} equal rounds, which --pp-microbatches {num_microbatches} cannot make; use a "
-            f"multiple of --pp {args.pp}, or fewer than it")
+    require(one_stage_per_rank or num_microbatches % rounds == 0, f"--pp-microbatches {num_microbatches} cannot "
+            f"make {rounds} equal rounds of {args.pp_schedule}; use a multiple of --pp {args.pp}")
     return stages_per_rank, num_microbatches
 
 
 def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
     """Cut the model into pp_degree x stages_per_rank stages of consecutive decoder layers; keep this rank's only.
 
-    The first stage also runs the embeddings, the last the final norm and the output head. Stage s runs on pp rank s %
-    pp_degree: rank r runs stages r, r + pp_degree, ... (the order the interleaved schedule expects). The model keeps
-    only what this rank's stages run, under the whole model's names: the layers stay in a ModuleDict keyed by their
-    index in the whole model (model.layers.5.mlp.up_proj.weight on whichever stage holds layer 5), and other ranks'
-    modules are set to None, as torchtitan does. init_weights() and the checkpoints go by those names.
+    Rank r runs stages r, r + pp_degree, ... (the interleaved schedule's order). Other ranks' modules become None, as
+    in torchtitan; this rank's keep the whole model's names (model.layers.5...), which init_weights() and the
+    checkpoints go by.
     """
     num_stages = pp_degree * stages_per_rank
     num_layers = model.config.num_hidden_layers
@@ -547,11 +519,10 @@ def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
 
 
 class DecoderStage(torch.nn.Module):
-    """One pipeline stage of a Llama-family model: the embeddings (first stage only), a run of decoder layers, then
-    the final norm and the output head (last stage only).
+    """One pipeline stage: the embeddings (first stage), a run of decoder layers, the norm and output head (last).
 
-    Its forward takes the previous stage's hidden states (the token ids on the first stage) and returns the next
-    stage's (the logits on the last). The modules are the model's own, no copies: its parameter names reach them.
+    Its forward maps the previous stage's hidden states (the tokens, on the first) to the next's (the logits, on the
+    last), with the model's own modules.
     """
 
     def __init__(self, model, stage_index, num_stages, layer_indices):
@@ -569,15 +540,13 @@ class DecoderStage(torch.nn.Module):
         hidden_states = tokens_or_hidden_states
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(tokens_or_hidden_states)
-        # NOTE: each stage computes the positions, the causal mask and the rotary embeddings itself, as Hugging
-        # Face's LlamaModel.forward() does once for all layers: they depend on the sequence length only, so sending
-        # them along would only add traffic. With sdpa the mask is None: the kernel applies causality itself.
+        # NOTE: each stage computes the positions, mask and rotary embeddings itself, as LlamaModel.forward() does:
+        # they depend on the sequence length only, so sending them would only add traffic.
         position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
         # NOTE: no padding mask and no KV cache, by position: transformers after 5.17 renamed past_key_values to cache.
         causal_mask = create_causal_mask(self.config, hidden_states, None, None, position_ids=position_ids)
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
-        # NOTE: get_attention_kwargs() reads only the (micro-batch, sequence) shape of what it is given. And no KV
-        # cache (use_cache=False), as in every chapter's training forward.
+        # NOTE: get_attention_kwargs() reads only the (micro-batch, sequence) shape of what it is given.
         attention_kwargs = get_attention_kwargs(self.config._attn_implementation, hidden_states[:, :, 0])
         for layer in self.layers.values():
             hidden_states = layer(hidden_states, attention_mask=causal_mask, position_ids=position_ids,
@@ -588,12 +557,11 @@ class DecoderStage(torch.nn.Module):
 
 
 def shard_model(stage, dp_mesh, dtype, pp_degree):
-    """Shard every decoder layer of a stage, then the rest (embeddings, final norm, output head) as one last group.
+    """Shard every decoder layer, then the rest (embeddings, final norm, output head) as one last group.
 
     NOTE: each fully_shard() call makes one group whose parameters are all-gathered, and whose gradients are
     reduce-scattered, in one collective. One group per decoder layer means only one or two layers are ever whole
-    in memory, and FSDP prefetches the next layer's all-gather while the current one computes. Each stage is
-    sharded on its own, across the dp ranks that run it: its row of the mesh.
+    in memory, and FSDP prefetches the next layer's all-gather while the current one computes.
     """
     # NOTE: MixedPrecisionPolicy: compute with bf16 copies of the weights (half the all-gather traffic), but
     # reduce-scatter gradients in fp32, and keep the sharded parameters and AdamW in fp32.
@@ -603,8 +571,7 @@ def shard_model(stage, dp_mesh, dtype, pp_degree):
         # NOTE: reshard_after_forward=True frees a layer's gathered weights after its forward and gathers them
         # again for its backward: memory of one layer instead of all, for one more all-gather. The last layer
         # is the first to run backward, right after forward, so freeing it would only gather it again at once.
-        # In a pipeline a layer runs a forward for every micro-batch, its backwards later: resharding would gather it
-        # twice per micro-batch. With pp > 1 the stage's layers stay gathered (torchtitan's default): 1/pp of the model.
+        # With pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
         fully_shard(layer, **fsdp_config, reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
     # NOTE: the root group (embeddings and output head) stays gathered after forward for the same reason.
     fully_shard(stage, **fsdp_config, reshard_after_forward=False)
@@ -772,9 +739,8 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     # NOTE: get_state_dict() names the shards by their parameter names (model.layers.0.mlp.up_proj.weight, ...),
     # as in chapter 01, and the optimizer state by the same names instead of by position.
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    # NOTE: the optimizer's param group lists the names of this rank's parameters, and DCP saves one copy of what
-    # is not a tensor. So every rank lists the names of all stages' parameters: the checkpoint then loads at any
-    # --pp, and in chapter 04, each rank taking its own parameters' state out of the list.
+    # NOTE: DCP saves one copy of the param group, which names this rank's parameters only: list every stage's, so
+    # the checkpoint loads at any --pp and in chapter 04.
     names_per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(names_per_rank, optimizer_state["param_groups"][0]["params"])
     optimizer_state["param_groups"][0]["params"] = sorted(set().union(*names_per_rank))
@@ -958,20 +924,18 @@ class StepTimer:
 
 
 def get_loss_function(model, config, loss_scale):
-    """The loss the last stage computes from each micro-batch's logits: Hugging Face's, divided by loss_scale."""
+    """The last stage's loss of each micro-batch's logits: Hugging Face's, divided by loss_scale, timed as forward."""
     def loss_function(logits, labels):
-        return model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size) / loss_scale
+        with FSDPPipelineStage.timer("forward"):
+            return model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size) / loss_scale
     return loss_function
 
 
-def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device, recorder):
-    """Wrap this rank's stages in PipelineStages and give them to the schedule; also say whether this rank runs the
-    first stage (it takes the tokens) and the last (it takes the labels and has the loss)."""
+def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device):
+    """The schedule of this rank's stages, and whether it runs the first stage (the tokens) and the last (the loss)."""
     num_stages = pp_mesh.size() * len(stage_modules)
-    # NOTE: a PipelineStage sends its outputs to the next stage's rank and receives the gradients back, over the pp
-    # group: the ranks of one column of the mesh. It learns the shapes to expect from a first micro-batch.
-    stages = [RecordedPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group(),
-                                    recorder=recorder) for module in stage_modules]
+    stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group())
+              for module in stage_modules]
     schedule_class = get_schedule_class(PIPELINE_SCHEDULES[schedule_name])
     one_stage_per_rank = issubclass(schedule_class, PipelineScheduleSingle)
     schedule = schedule_class(stages[0] if one_stage_per_rank else stages, n_microbatches=num_microbatches,
@@ -979,97 +943,36 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
     return schedule, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
 
 
-class RecordedPipelineStage(PipelineStage):
-    """A PipelineStage whose every micro-batch forward and backward is timed and recorded by a PipelineRecorder."""
+class FSDPPipelineStage(PipelineStage):
+    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in the step's timer."""
+    timer = None  # this step's StepTimer, set by main()
 
-    def __init__(self, *args, recorder, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.recorder = recorder
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.timer("forward"):
+            return super().forward_one_chunk(*args, **kwargs)
 
-    def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
-        with self.recorder.computation("forward", self.stage_index, fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-    def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
-        with self.recorder.computation("backward", self.stage_index, bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.timer("backward"):
+            return super().backward_one_chunk(*args, **kwargs)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        # NOTE: PipelineStage would turn FSDP's gradient sync off until the step's end: the stage's whole gradients
-        # unsharded in fp32 all step. Reduce-scatter each layer's in each backward instead, as chapter 04 does.
+        # NOTE: PipelineStage would keep FSDP's gradients unsharded in fp32 until the step's end; reduce-scatter each
+        # layer's in each backward instead, as chapter 04 does.
         self.submod.set_is_last_backward(False)
         self.submod.set_reshard_after_backward(self.group_size == 1)
         return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
 
     def perform_reduce_grad(self, grad_scale_factor):
-        with self.recorder.computation("reduce", self.stage_index, None):
+        with self.timer("reduce"):
             return super().perform_reduce_grad(grad_scale_factor)
-
-
-class PipelineRecorder:
-    """What this rank's stages compute in a step: when each micro-batch's forward, loss and backward ran and the step's
-    last gradient reduction (reduce), and the activations each micro-batch keeps from its forward to its backward.
-
-    NOTE: the time a rank spends in the schedule outside these computations, it waits (for a neighbour's activations or
-    gradients, or the transfers): the pipeline's bubble, measured. The activations are the tensors autograd saves for
-    the backward (saved-tensor hooks, as in chapter 05), each storage once, no weights. A micro-batch holds them from
-    its forward until its backward, so how many a stage holds depends on the schedule (GPipe runs all forwards first).
-    """
-
-    def start_step(self, timer):
-        """Forget the last step's records and record this one, timed by the step's own timer."""
-        self.timer = timer
-        self.events = []
-        self.saved_bytes = {}
-        self.held_bytes = self.peak_bytes = self.peak_microbatches = 0
-
-    @contextlib.contextmanager
-    def computation(self, kind, stage_index, microbatch):
-        storages = {}
-
-        def count_saved_tensor(tensor):
-            base = tensor if tensor._base is None else tensor._base
-            if not isinstance(base, torch.nn.Parameter):
-                storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
-            return tensor
-
-        with self.timer("forward" if kind == "loss" else kind):
-            with torch.autograd.graph.saved_tensors_hooks(count_saved_tensor, lambda tensor: tensor):
-                yield
-        _, start, end = self.timer.spans[-1]
-        self.events.append((kind, stage_index, microbatch, start, end))
-        key = (stage_index, microbatch)
-        if kind == "backward":
-            self.held_bytes -= self.saved_bytes.pop(key, 0)
-        elif kind != "reduce":
-            self.saved_bytes[key] = self.saved_bytes.get(key, 0) + sum(storages.values())
-            self.held_bytes += sum(storages.values())
-            if self.held_bytes > self.peak_bytes:
-                self.peak_bytes = self.held_bytes
-                self.peak_microbatches = len({microbatch for _, microbatch in self.saved_bytes})
-
-    def timed_loss(self, loss_function):
-        """The loss function, recorded as part of the last stage's forward of each micro-batch.
-
-        NOTE: the schedule calls it right after the last stage's forward of each micro-batch. The stage calls it
-        once more on its own, before the first step: a trial forward and backward to learn the shapes it will send.
-        """
-        def recorded_loss_function(logits, labels):
-            if not self.events or self.events[-1][0] != "forward":
-                return loss_function(logits, labels)
-            stage_index, microbatch = self.events[-1][1:3]
-            with self.computation("loss", stage_index, microbatch):
-                return loss_function(logits, labels)
-        return recorded_loss_function
 
 
 @torch.no_grad()
 def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
     """Clip the gradients by the norm of the whole model's gradient, over all stages; return that norm.
 
-    NOTE: torch.nn.utils.clip_grad_norm_() sees only the parameters it is given, this rank's stages: each stage
-    would clip by its own layers' norm, a different factor per stage, and train on other gradients than chapter 01's
-    without any error. The stages' squared norms add up to the whole model's (as torchtitan's clip_grad_norm_ does).
+    NOTE: clip_grad_norm_() sees this rank's stages only: each would clip by its own norm, silently. The stages'
+    squared norms add up to the whole model's (as in torchtitan).
     """
     parameters = list(parameters)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
@@ -1079,52 +982,6 @@ def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
     grad_norm = squared_norm.sqrt()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, grad_norm)
     return grad_norm
-
-
-def gather_pipeline_stats(recorder, timer, rank, pp_rank, dp_rank):
-    """Every rank's pipeline figures of this step, on rank 0 (None elsewhere), in ms from its first schedule's start.
-
-    NOTE: call it after timer.read_ms(), which waits for the GPU, and on logging steps only: it communicates.
-    """
-    pipeline_spans = [(start, end) for name, start, end in timer.spans if name == "pipeline"]
-    reference = pipeline_spans[0][0]
-
-    def milliseconds(mark):
-        return reference.elapsed_time(mark) if timer.use_cuda_events else (mark - reference) * 1000
-
-    events = [(kind, stage, microbatch, milliseconds(start), milliseconds(end))
-              for kind, stage, microbatch, start, end in recorder.events]
-    stats = {"rank": rank, "pp_rank": pp_rank, "dp_rank": dp_rank, "stages": sorted({stage for _, stage, *_ in events}),
-             "pipeline_ms": sum(milliseconds(end) - milliseconds(start) for start, end in pipeline_spans),
-             "busy_ms": sum(end - start for kind, *_, start, end in events if kind != "reduce"),
-             "reduce_ms": sum(end - start for kind, *_, start, end in events if kind == "reduce"),
-             "peak_activations_mb": recorder.peak_bytes / 1e6,
-             "peak_microbatches": recorder.peak_microbatches, "events": events}
-    all_stats = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(stats, all_stats, dst=0)
-    return all_stats
-
-
-def log_pipeline_stats(step, args, num_microbatches, all_stats, pipeline_file):
-    """Log each stage's idle share of the step and its peak activations, write the step's timeline of every rank to
-    pipeline.jsonl, and return the idle share averaged over the ranks of the first pipeline.
-
-    NOTE: a stage's own time in the schedule is not the pipeline's: the last stage leaves once its last backward is
-    done, and waits for the first stage's in the next collective (the gradient norm's). The pipeline's step lasts as
-    long as its longest rank's schedule, the first stage's; each stage is idle for that minus its own computations.
-    """
-    first_pipeline = [stats for stats in all_stats if stats["dp_rank"] == 0]
-    pipeline_ms = max(stats["pipeline_ms"] for stats in first_pipeline)
-    idle_fractions = [1 - (stats["busy_ms"] + stats["reduce_ms"]) / pipeline_ms for stats in first_pipeline]
-    LOGGER.info(f"pipeline {args.pp_schedule}, {num_microbatches} micro-batches, {pipeline_ms:.0f} ms: " + "; ".join(
-        f"stages {stats['stages']} busy {stats['busy_ms']:.0f} ms, reduce {stats['reduce_ms']:.0f} ms, idle "
-        f"{pipeline_ms - stats['busy_ms'] - stats['reduce_ms']:.0f} ms "
-        f"({idle:.0%}), peak activations {stats['peak_activations_mb']:.1f} MB (micro-batches in flight: "
-        f"{stats['peak_microbatches']})" for stats, idle in zip(first_pipeline, idle_fractions)))
-    pipeline_file.write(json.dumps({"step": step, "schedule": args.pp_schedule, "pp": args.pp,
-                                    "microbatches": num_microbatches, "ranks": all_stats}) + "\n")
-    pipeline_file.flush()
-    return sum(idle_fractions) / len(idle_fractions)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ The figures, and the runs each one is drawn from (the tables below list them; a 
     activation_checkpointing.png  the peak of a step above the model state, chapter 05 with and without
                                 --activation-checkpointing, measured and estimated; and the estimate for 405B
     08-pipeline-parallel/pipeline-schedules.png   GPipe, 1F1B and interleaved 1F1B timelines measured at 4
-                                micro-batches (tools/measure_pipeline.py; its bubble table takes longer: run it alone)
+                                micro-batches (08-pipeline-parallel/measure_pipeline.py; its bubble table takes
+                                longer: run it alone)
     09-context-parallel/load-balanced-layout.png  which rank computes which part of the causal attention, from
                                 chapter 09's own token split (09-context-parallel/draw_context_parallel_layout.py)
 
@@ -291,7 +292,8 @@ def make_activation_checkpointing(runner, out_dir):
 def make_pipeline_schedules(runner, out_dir):
     path = chapter_figure(out_dir, "08", "pipeline-schedules.png")
     steps = ["--steps", "3"] if runner.fast else []
-    runner.run_tool("pipeline-schedules", "measure_pipeline.py", "--microbatches", "4", *steps, "--figure", path)
+    runner.run_tool("pipeline-schedules", REPO / CHAPTERS["08"] / "measure_pipeline.py", "--microbatches", "4", *steps,
+                    "--figure", path)
     return path
 
 

@@ -23,6 +23,7 @@ import estimate_memory  # noqa: E402
 from measure_step import read_measurements  # noqa: E402
 
 README = REPO / CHAPTERS["08"] / "README.md"
+MEASURE_PIPELINE = REPO / CHAPTERS["08"] / "measure_pipeline.py"
 STEPS, HALF = 6, 3
 # NOTE: the gradient norm of these first steps is 2 to 6: clipping at 0.5 scales every step's gradients, so a norm
 # computed over one stage only would change the training (and the logged norm) at once.
@@ -72,8 +73,12 @@ def largest_weight_difference(checkpoint_a, checkpoint_b, scratch_dir):
     return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
 
 
-def pipeline_records(experiment):
-    """pipeline.jsonl: per logging step, every rank's busy time, timeline and peak activations."""
+def pipeline_records(runs, env, case):
+    """The layout's run recorded by measure_pipeline.py --record: its pipeline.jsonl, per logging step, every rank's
+    busy time, timeline and peak activations."""
+    nproc, flags = LAYOUTS[case]
+    _, experiment = runs.train("08", env, *COMMON, *flags, nproc=nproc,
+                               launcher=[*torchrun(nproc), MEASURE_PIPELINE, "--record"])
     return [json.loads(line) for line in (experiment / "pipeline.jsonl").read_text().splitlines()]
 
 
@@ -148,7 +153,7 @@ def microbatch_order(record, pp_rank):
 
 
 def test_each_schedule_runs_the_micro_batches_in_its_order(env, runs):
-    gpipe, one_f_one_b = (pipeline_records(layout_run(runs, env, case)[1])[-1] for case in ["pp2-gpipe", "pp2-1f1b"])
+    gpipe, one_f_one_b = (pipeline_records(runs, env, case)[-1] for case in ["pp2-gpipe", "pp2-1f1b"])
     forwards = [("F", None, i) for i in range(4)]
     backwards = [("B", None, i) for i in range(4)] + [("R", None, None)]
 
@@ -172,7 +177,7 @@ def test_each_schedule_runs_the_micro_batches_in_its_order(env, runs):
     # Interleaved: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3; each micro-batch goes 0 -> 1 -> 2 -> 3 and
     # back. Rank r runs (stages per rank - 1) x p + 2 x (p - 1 - r) forwards ahead (4 of 4 on rank 0, 2 on rank 1),
     # then alternates; its later stage's backwards come first, each stage reducing after its last. Twice: 2 micro-steps.
-    interleaved = pipeline_records(layout_run(runs, env, "pp2-interleaved-1f1b")[1])[-1]
+    interleaved = pipeline_records(runs, env, "pp2-interleaved-1f1b")[-1]
     micro_step = {0: [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("B", 2, 0), ("B", 2, 1), ("R", 2, None),
                       ("B", 0, 0), ("B", 0, 1), ("R", 0, None)],
                   1: [("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("B", 3, 0), ("F", 3, 1), ("B", 3, 1), ("R", 3, None),
@@ -187,7 +192,7 @@ def test_1f1b_holds_the_activations_of_fewer_micro_batches_than_gpipe(env, runs)
     lines = []
     peaks = {}
     for case in ["pp2-gpipe", "pp2-1f1b"]:
-        record = pipeline_records(layout_run(runs, env, case)[1])[-1]
+        record = pipeline_records(runs, env, case)[-1]
         for stats in record["ranks"]:
             peaks[case, stats["pp_rank"]] = (stats["peak_microbatches"], stats["peak_activations_mb"])
             lines.append(f"{case} stage {stats['pp_rank']}: {stats['peak_microbatches']} micro-batches, "
@@ -199,6 +204,22 @@ def test_1f1b_holds_the_activations_of_fewer_micro_batches_than_gpipe(env, runs)
         gpipe_mb, one_f_one_b_mb = peaks["pp2-gpipe", stage][1], peaks["pp2-1f1b", stage][1]
         # Every micro-batch keeps the same tensors: the peaks are in proportion to the micro-batches held.
         assert one_f_one_b_mb == pytest.approx(gpipe_mb * held / 4, rel=0.01)
+
+
+def test_measure_pipeline_tables_each_schedule_and_draws_its_timeline(env, tmp_path):
+    """The README's measurement, small: 1F1B with 2 stages at m = 1 (a layout the script refuses: a row of its own)
+    and m = 2 (the formula's (p-1)/(m+p-1) = 33%, stage 0 holding 2 micro-batches, stage 1 one), 3 steps."""
+    import re
+
+    figure = tmp_path / "schedules.png"
+    result = run([sys.executable, MEASURE_PIPELINE, "--schedules", "1f1b", "--microbatches", "1", "2", "--steps", "3",
+                  "--figure-microbatches", "2", "--figure", figure], env, tmp_path)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| 1f1b |")]
+    print("\n" + "\n".join(rows))
+    assert len(rows) == 3 and rows[0].startswith("| 1f1b | 1 | | error: --pp-schedule 1f1b needs"), result.stdout
+    assert re.fullmatch(r"\| 1f1b \| 2 \| 33% \| (\d+, \d+, \*\*\d+%\*\* \| ){2}", rows[1] + " "), rows[1]
+    assert re.fullmatch(r"\| 1f1b \| 2 \| 2, [\d.]+ \| 1, [\d.]+ \|", rows[2]), rows[2]
+    assert figure.read_bytes().startswith(b"\x89PNG")
 
 
 @pytest.mark.parametrize("case", ["pp2-1f1b", "pp2-dp2-1f1b"])
@@ -335,26 +356,23 @@ def test_a_bad_pp_or_micro_batch_count_gets_a_one_line_error(env, tmp_path, case
 # before anything else uses the layout: (world size, flags, a change to the tiny model's config, the error).
 LAYOUT_ERRORS = {
     "more stages than layers": (1, ["--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "5"], {},
-                                "5 pipeline stages (--pp 1 x 5 per rank) for a model of 4 decoder layers: every "
-                                "stage needs at least one; use fewer stages"),
+                                "5 pipeline stages (--pp 1 x 5 per rank) for 4 decoder layers; use at most 4"),
     "several stages for a one-stage schedule": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--pp-stages-per-rank",
                                                     "2"], {},
                                                 "--pp-schedule gpipe runs one stage per rank, not "
-                                                "--pp-stages-per-rank 2; use --pp-schedule interleaved-1f1b"),
+                                                "--pp-stages-per-rank 2; use interleaved-1f1b"),
     "one stage for the interleaved schedule": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b",
                                                    "--pp-stages-per-rank", "1"], {},
-                                               "--pp-schedule interleaved-1f1b interleaves several stages on each "
-                                               "rank, not --pp-stages-per-rank 1"),
+                                               "--pp-schedule interleaved-1f1b needs 2 or more "
+                                               "--pp-stages-per-rank, not 1"),
     "fewer micro-batches than stages for 1f1b": (2, ["--pp", "2", "--pp-microbatches", "1"], {},
                                                  "--pp-schedule 1f1b needs at least one micro-batch per stage, 2, "
                                                  "not --pp-microbatches 1"),
     "interleaved rounds": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5",
                                "--batch-size", "10"], {},
-                           "--pp-schedule interleaved-1f1b runs the micro-batches in 2 equal rounds, which "
-                           "--pp-microbatches 5 cannot make"),
+                           "--pp-microbatches 5 cannot make 2 equal rounds of interleaved-1f1b"),
     "tied embeddings across stages": (2, ["--pp", "2"], {"tie_word_embeddings": True},
-                                      "the model ties its output head to its input embeddings (tie_word_embeddings), "
-                                      "and the first and last pipeline stages cannot share one weight"),
+                                      "tie_word_embeddings: the first and last stages cannot share one weight"),
 }
 
 

@@ -97,11 +97,8 @@ LINEAGE = {
         "# 6. The training loop: the pipeline": "the section of the pipeline's helpers",
         "get_loss_function": "the loss on the last stage",
         "build_pipeline_schedule": "one schedule per micro-step",
-        "RecordedPipelineStage": "the stage that records its busy time and activations",
-        "PipelineRecorder": "the pipeline's idle time logged",
+        "FSDPPipelineStage": "the stage that reduce-scatters its gradients in every backward and times its work",
         "clip_grad_norm_across_stages": "the gradient norm over all stages",
-        "gather_pipeline_stats": "every rank's timeline on rank 0",
-        "log_pipeline_stats": "pipeline.jsonl",
     },
     ("06", "07"): {
         "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes",
