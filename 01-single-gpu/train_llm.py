@@ -49,7 +49,7 @@ def main():
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     with device:
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention_implementation(args.attn_implementation), dtype=torch.float32)
+            config, attn_implementation=attention_implementation(), dtype=torch.float32)
     init_weights(model, args.seed)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 
@@ -150,7 +150,6 @@ def get_parser():
     group.add_argument("--seq-length", type=int, default=256)
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
-    group.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa")
     group.add_argument("--num-workers", type=int, default=1, help="data loader processes")
     group = parser.add_argument_group("training")
     group.add_argument("--seed", type=int, default=0, help="of the initial weights and the sample order")
@@ -208,11 +207,9 @@ def setup_logging():
 # 1. The model
 
 
-def attention_implementation(attn_implementation):
-    # NOTE: "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a name without a
-    # mask function, SDPA runs with is_causal=True instead.
-    if attn_implementation != "sdpa":
-        return attn_implementation
+def attention_implementation():
+    # NOTE: transformers' "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a
+    # name without a mask function, SDPA runs with is_causal=True instead.
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 
@@ -330,7 +327,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     saved = json.loads((checkpoint_dir / "model_config.json").read_text())
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
-    require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use another -e")
+    require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
     # NOTE: weights_only: a checkpoint cannot run code. map_location: without it, tensors return to the device they
     # were saved from (cuda:0 for rank 0 of a GPU job), so a node's 8 processes would all load onto GPU 0.
     model.load_state_dict(torch.load(checkpoint_dir / "model.pt", map_location=device, weights_only=True))
@@ -374,10 +371,9 @@ def get_wandb_run_id(experiment_dir):
 
 def get_flops_per_token(model, config, seq_length):
     # NOTE: PaLM's (appendix B) and torchtitan's formula: 6 per matmul weight, 12 * L * H * Q * T for attention.
-    num_params = sum(p.numel() for p in model.parameters())
     # NOTE: the input embedding is a lookup, not a matmul, unless it is tied to the output head (Llama 3.2 1B, 3B).
-    if not config.tie_word_embeddings:
-        num_params -= model.get_input_embeddings().weight.numel()
+    num_params = sum(p.numel() for p in model.parameters()) - (
+        0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     # NOTE: Qwen3's and Mistral-Nemo's head_dim is not hidden_size / heads.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
@@ -396,7 +392,7 @@ def get_peak_flops(device, dtype):
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]
-    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
+    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: add it to PEAK_BF16_FLOPS for MFU")
 
 
 def read_and_reset_memory_stats(device):

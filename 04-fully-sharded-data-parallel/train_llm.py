@@ -77,7 +77,7 @@ def main():
     # to_empty() allocates only this rank's shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention_implementation(args.attn_implementation), dtype=torch.float32)
+            config, attn_implementation=attention_implementation(), dtype=torch.float32)
     shard_model(model, dtype, args.cpu_offload)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
@@ -195,7 +195,6 @@ def get_parser():
     group.add_argument("--seq-length", type=int, default=256)
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
-    group.add_argument("--attn-implementation", choices=["sdpa", "eager"], default="sdpa")
     group.add_argument("--num-workers", type=int, default=1, help="data loader processes")
     group = parser.add_argument_group("training")
     group.add_argument("--seed", type=int, default=0, help="of the initial weights and the sample order")
@@ -343,11 +342,9 @@ def rank_zero_first():
 # 1. The model
 
 
-def attention_implementation(attn_implementation):
-    # NOTE: "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a name without a
-    # mask function, SDPA runs with is_causal=True instead.
-    if attn_implementation != "sdpa":
-        return attn_implementation
+def attention_implementation():
+    # NOTE: transformers' "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a
+    # name without a mask function, SDPA runs with is_causal=True instead.
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 
@@ -519,7 +516,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
     saved = json.loads((checkpoint_dir / "model_config.json").read_text())
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
-    require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use another -e")
+    require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
     # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
@@ -564,10 +561,9 @@ def get_wandb_run_id(experiment_dir):
 
 def get_flops_per_token(model, config, seq_length):
     # NOTE: PaLM's (appendix B) and torchtitan's formula: 6 per matmul weight, 12 * L * H * Q * T for attention.
-    num_params = sum(p.numel() for p in model.parameters())
     # NOTE: the input embedding is a lookup, not a matmul, unless it is tied to the output head (Llama 3.2 1B, 3B).
-    if not config.tie_word_embeddings:
-        num_params -= model.get_input_embeddings().weight.numel()
+    num_params = sum(p.numel() for p in model.parameters()) - (
+        0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     # NOTE: Qwen3's and Mistral-Nemo's head_dim is not hidden_size / heads.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
@@ -586,7 +582,7 @@ def get_peak_flops(device, dtype):
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]
-    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
+    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: add it to PEAK_BF16_FLOPS for MFU")
 
 
 def read_and_reset_memory_stats(device):
