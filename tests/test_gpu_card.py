@@ -146,7 +146,7 @@ def test_a_failing_run_is_recorded_and_the_card_goes_on(env, tmp_path):
     card = json.loads((out_dir / "card.json").read_text())
     runs = by_name(card)
     assert runs["01-single-gpu"]["status"] == "failed"
-    assert runs["01-single-gpu"]["error"].startswith("error: --seq-length 100000 is longer than the model's maximum")
+    assert runs["01-single-gpu"]["error"].startswith("error: --seq-length 100000 exceeds the model's")
     assert runs["02-distributed-data-parallel"]["status"] == "ok"
     assert runs["02-distributed-data-parallel"]["tokens_per_second"] > 0
     assert runs["02-distributed-data-parallel"]["loss_match"]["max_difference"] is None

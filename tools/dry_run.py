@@ -81,6 +81,7 @@ def load_chapter(chapter):
 def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
     """Run the chapter's main() for one rank under the fake backend and FakeTensorMode; its memory by category."""
     import tempfile
+    import types
 
     import torch
     import torch.distributed as dist
@@ -161,7 +162,8 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
 
     patches = dict(
         get_distributed_environment=lambda timeout: ("dry run", rank, rank % nproc_per_node, world_size),
-        rank_zero_first=contextlib.nullcontext, init_weights=init_weights, load_tokenizer=lambda name: None,
+        rank_zero_first=contextlib.nullcontext, init_weights=init_weights,
+        AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda name: None),
         load_and_tokenize_dataset=load_and_tokenize_dataset, get_dataloader=get_dataloader,
         find_latest_checkpoint_on_rank_zero=lambda experiment_dir: None,
     )
