@@ -408,12 +408,8 @@ def check_pipeline_layout(args, world_size, config):
 
 
 def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
-    """Cut the model into pp_degree x stages_per_rank stages of consecutive decoder layers; keep this rank's only.
-
-    Rank r runs stages r, r + pp_degree, ... (the interleaved schedule's order). Other ranks' modules become None, as
-    in torchtitan; this rank's keep the whole model's names (model.layers.5...), which init_weights() and the
-    checkpoints go by.
-    """
+    # NOTE: rank r keeps stages r, r + pp_degree, ... (the interleaved order); the others' modules become None. Its
+    # modules keep the whole model's names (model.layers.5...), which init_weights() and the checkpoints go by.
     num_stages = pp_degree * stages_per_rank
     num_layers = model.config.num_hidden_layers
     # NOTE: the first num_layers % num_stages stages get one layer more than the others.
@@ -470,7 +466,7 @@ def shard_model(stage, dp_mesh, dtype, pp_degree):
     for index, layer in enumerate(layers):
         # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
         # its backward comes right after. The root group stays gathered for the same reason.
-        # With pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
+        # NOTE: with pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
         fully_shard(layer, **fsdp_config, reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
     fully_shard(stage, **fsdp_config, reshard_after_forward=False)
 
@@ -814,11 +810,8 @@ class FSDPPipelineStage(PipelineStage):
 
 @torch.no_grad()
 def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
-    """Clip the gradients by the norm of the whole model's gradient, over all stages; return that norm.
-
-    NOTE: clip_grad_norm_() sees this rank's stages only: each would clip by its own norm, silently. The stages'
-    squared norms add up to the whole model's (as in torchtitan).
-    """
+    # NOTE: clip_grad_norm_() sees this rank's stages only: each would clip by its own norm, silently. The stages'
+    # squared norms add up to the whole model's (as in torchtitan).
     parameters = list(parameters)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
     # NOTE: the gradients are FSDP shards (DTensors), and so is their norm: full_tensor() combines the shards'.
