@@ -207,9 +207,9 @@ def record(script, script_args):
         stages_per_rank, recorder.num_microbatches = check_pipeline_layout(args, world_size, config)
         return stages_per_rank, recorder.num_microbatches
 
-    def log_metrics_and_pipeline(record, metrics_file):
+    def log_metrics_and_pipeline(metrics_file, record):
         record["pipeline_idle_fraction"] = recorder.log(record["step"], Path(metrics_file.name).parent, chapter.LOGGER)
-        log_metrics(record, metrics_file)
+        log_metrics(metrics_file, record)
 
     chapter.FSDPPipelineStage, chapter.StepTimer = RecordedPipelineStage, RecordedStepTimer
     chapter.check_pipeline_layout, chapter.log_metrics = recorded_layout, log_metrics_and_pipeline

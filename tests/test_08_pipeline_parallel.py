@@ -421,7 +421,7 @@ def test_an_empty_data_file_stops_every_rank_with_the_one_line(env, tmp_path):
     result, _ = train("08", env, tmp_path, *COMMON, "-d", tmp_path / "empty.jsonl", nproc=2, check=False, timeout=120)
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2 and all(line.startswith("error: cannot load the data set") and "(it holds no data)" in line
+    assert len(errors) == 2 and all(line.startswith("error: cannot load -d ") and "(it holds no data)" in line
                                     for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr and "Connection closed" not in result.stderr
 
@@ -432,6 +432,6 @@ def test_a_missing_text_column_stops_every_rank_with_the_one_line(env, tmp_path)
     result, _ = train("08", env, tmp_path, *COMMON, "--text-column", "nope", nproc=2, check=False, timeout=120)
     assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2 and all(line.startswith("error: the data set has no column 'nope' of text")
+    assert len(errors) == 2 and all(line.startswith("error: no text column 'nope'")
                                     for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr and "Connection closed" not in result.stderr
