@@ -452,9 +452,8 @@ def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
 
 
 def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
-    """This rank's (input_ids, position_ids, shift_labels, num_items_in_batch), labels shifted before the split (a
-    chunk's last label is the next chunk's first token), and the count over every rank: the loss is this rank's share.
-    """
+    """This rank's (input_ids, position_ids, shift_labels, num_items_in_batch): labels shifted before the split (a
+    chunk's last label is the next chunk's first token), the count over every rank (the loss is this rank's share)."""
     shift_labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)
     num_items_in_batch = (shift_labels != -100).sum()
     dist.all_reduce(num_items_in_batch, group=dp_mesh.get_group())
