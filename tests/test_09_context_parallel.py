@@ -146,8 +146,6 @@ BAD_INPUTS = {
     "all-to-all with a --cp that does not divide the key/value heads": (
         ["--cp", "3", "--cp-attention", "all-to-all", "--seq-length", "258"],
         "4 key/value heads do not divide into --cp 3"),
-    "attention implementation that cannot be split": (["--cp", "2", "--attn-implementation", "eager"],
-                                                      "--attn-implementation eager cannot be split"),
 }
 
 
