@@ -57,19 +57,20 @@ LINEAGE = {
         "log_memory_held": "each rank shows it holds 1/N of parameters, gradients and optimizer state",
     },
     ("04", "05"): {
-        "main": "pretrained weights (from a folder or the hub), activation checkpointing and torch.compile",
-        "get_parser": "the options of activation checkpointing and compilation",
+        "main": "pretrained weights (from a folder or the hub), activation checkpointing, torch.compile, and the "
+                "attention option with flash attention's kwargs",
+        "get_parser": "the options of attention, activation checkpointing and compilation",
         "shard_model": "separate FSDP groups for the embedding and the output head of a 405B model, and prefetching",
         "init_weights": "parameter names without the activation checkpoint wrapper's part",
+        "attention_implementation": "the attention options: eager, SDPA, flash attention",
+        "get_attention_kwargs": "the attention options: eager, SDPA, flash attention",
         "MODEL_FILES": "what a download of a pretrained model fetches",
         "SKIPPED_MODEL_FILES": "what it leaves out",
-        "PICKLED_WEIGHT_FILES": "weights it refuses to read",
         "download_model": "pretrained weights from the hub",
-        "check_weights_are_safetensors": "a folder of pickled weights gets a one-line error",
         "apply_activation_checkpointing": "the activation checkpointing option",
         "compile_layers": "the torch.compile option",
-        "find_weight_files": "the safetensors files of a pretrained folder",
-        "has_pretrained_weights": "a config-only folder trains from the seed",
+        "find_weight_files": "the safetensors files of a pretrained folder (a folder of pickled weights gets a "
+                             "one-line error; a config-only folder trains from the seed)",
         "load_pretrained_weights": "each rank reads its own slices of the pretrained weights",
     },
     ("04", "06"): {

@@ -79,9 +79,9 @@ def test_no_host_sync_and_only_bf16_matmuls_in_a_step(env, workdir, name):
 
 def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monkeypatch):
     """transformers' flash-attention path, with flash-attn's functions computed by SDPA on the CPU (as in test_05),
-    through the chapters' attention_implementation() and get_attention_kwargs() (byte-identical in every chapter,
-    test_drift): a forward and backward at batch size 1 and 2 give SDPA's loss, SDPA with no host sync, and flash
-    attention with exactly one per forward, in transformers' mask creation.
+    through chapter 05's attention_implementation() and get_attention_kwargs() (the chapter of the attention options):
+    a forward and backward at batch size 1 and 2 give SDPA's loss, SDPA with no host sync, and flash attention with
+    exactly one per forward, in transformers' mask creation.
 
     NOTE: transformers picks the flash kernel by the implementation's name, which also names its mask function, and
     that reads position_ids on the host (masking_utils.find_packed_sequence_indices): no name or input skips it.
@@ -95,7 +95,7 @@ def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monke
     monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
         (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None), processes))
     config = AutoConfig.from_pretrained(TINY_MODEL)
-    chapter = load_script("01")
+    chapter = load_script("05")
     torch.manual_seed(0)
     # NOTE: built with SDPA (from_config refuses flash_attention_2 without flash-attn), then switched per forward.
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
