@@ -75,7 +75,6 @@ LINEAGE = {
     ("04", "06"): {
         "main": "tensor parallelism on a device mesh instead of FSDP, and loss_parallel()",
         "get_parser": "without --cpu-offload: tensor parallelism does not offload",
-        "init_weights": "its comment: tensor parallelism splits each weight into slices, where FSDP shards it",
         "shard_model": "tensor parallelism replaces FSDP's sharding",
         "check_tensor_parallel_degree": "a degree that does not divide the model gets a one-line error",
         "parallelize_model": "the tensor-parallel plan",
