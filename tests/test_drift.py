@@ -103,7 +103,6 @@ LINEAGE = {
         "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes",
         "get_parser": "the --tp and --dp-replicate options",
         "get_device_mesh": "the 2D mesh",
-        "get_data_parallel_dims": "the mesh's data-parallel dimensions",
         "shard_model": "FSDP (optionally hybrid) across the dp dimensions",
     },
     ("04", "09"): {
