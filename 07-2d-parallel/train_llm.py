@@ -227,7 +227,7 @@ def get_parser():
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
     group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the GPUs of one node; on the CPU, 1)")
-    group.add_argument("--dp-replicate", type=int, default=1, help="HSDP: replicas, each sharded over dp / this")
+    group.add_argument("--dp-replicate", type=int, default=1, help="HSDP: model replicas, each sharded by FSDP")
     return parser
 
 
