@@ -1,22 +1,15 @@
-"""Chapter 06: tensor parallelism (TP): every layer's weights split across GPUs, with DTensor.
+"""Chapter 06: tensor parallelism (TP), with DTensor: each rank holds a slice of every weight matrix and computes
+its part of every matmul, exchanging activations inside each layer. All ranks train on one batch.
 
-Each rank holds a column or row slice of every weight matrix and computes its part of every matmul; the ranks
-exchange activations inside each layer. All ranks together hold one copy of the model and train on one batch.
-
-On a machine without a GPU:
-
-    torchrun --standalone --nproc-per-node 2 06-tensor-parallel/train_llm.py
-
-On one node with 8 GPUs:
-
+    torchrun --standalone --nproc-per-node 2 06-tensor-parallel/train_llm.py    # no GPU: 2 CPU processes
     torchrun --standalone --nproc-per-node 8 06-tensor-parallel/train_llm.py \\
-        -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-tp
+        -m meta-llama/Llama-3.1-8B -d tatsu-lab/alpaca -e llama-8b-tp    # one node of 8 GPUs
 """
 
 import argparse
+import collections
 import contextlib
 import datetime
-import importlib.util
 import json
 import logging
 import math
@@ -40,13 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    loss_parallel,
-    parallelize_module,
-)
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -55,8 +42,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
 
 
-# NOTE: @record writes this process's exception to the file torchrun names in TORCHELASTIC_ERROR_FILE, so the
-# job's error summary shows the failing rank's traceback instead of a bare "exit code 1".
+# NOTE: @record writes this process's exception where torchrun's error summary shows it, not a bare "exit code 1".
 @record
 def main():
     args = parse_args()
@@ -65,9 +51,7 @@ def main():
     LOGGER.info(f"arguments: {vars(args)}")
     LOGGER.info(f"started by {launcher} on {socket.gethostname()}, "
                 f"rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
-
-    # NOTE: how long a collective waits for the other ranks before the job fails. The default depends on the
-    # backend string (10 minutes for "nccl", 30 for "gloo" and for chapter 04's "cuda:nccl,cpu:gloo"), so say it.
+    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     device = get_device(local_rank)
     if device.type == "cuda":
@@ -82,63 +66,51 @@ def main():
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
     # 1. The model: built from its config (untrained), every parameter initialized from the seed.
-    with rank_zero_first():
-        config = load_model_config(args.model_name)
-    require(args.seq_length <= config.max_position_embeddings, f"--seq-length {args.seq_length} is longer than the "
-            f"model's maximum of {config.max_position_embeddings} positions (max_position_embeddings); use a smaller "
-            "--seq-length")
-    flash_attn_ready = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
-    require(args.attn_implementation != "flash_attention_2" or flash_attn_ready,
-            "--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install "
-            "flash-attn --no-build-isolation); use --attn-implementation sdpa instead")
+    with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
+        config = AutoConfig.from_pretrained(args.model_name)
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name)
+    require(args.seq_length <= config.max_position_embeddings,
+            f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     check_tensor_parallel_degree(world_size, config, args.seq_length)
-    # NOTE: a device mesh names the ranks' roles. Here every rank is in one tensor-parallel group ("tp").
     tp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
-    # NOTE: on the meta device, modules get parameters with shapes but no memory: an 8B or 405B model is "built"
-    # in a second on any machine. parallelize_model() then replaces every parameter by a DTensor holding this
-    # rank's slice, still on meta; to_empty() allocates only those slices on the device; init_weights() fills them.
+    # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
+    # to_empty() allocates only this rank's shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention_implementation(args.attn_implementation), dtype=torch.float32)
+            config, attn_implementation=attention_implementation(), dtype=torch.float32)
     parallelize_model(model, tp_mesh)
     model.to_empty(device=device)
     init_weights(model, args.seed)
     reset_rotary_embeddings(model, device)
-    num_params = sum(p.numel() for p in model.parameters())
-    LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers")
+    LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 
     # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
     with rank_zero_first():
-        tokenizer = load_tokenizer(args.model_name)
         dataset = load_and_tokenize_dataset(args, tokenizer)
-    # NOTE: the tensor-parallel ranks compute one model together, so they must all read the same batch: for the
-    # data, the job is one data-parallel replica (rank 0 of 1). Chapter 07 adds data parallelism back.
-    dp_rank, dp_size = 0, 1
-    samples_per_step = args.batch_size * args.grad_accum * dp_size
+    # NOTE: the ranks compute one model, so they all read the same batch: for the data, one replica (rank 0 of 1).
+    samples_per_step = args.batch_size * args.grad_accum
     steps_per_epoch = len(dataset) // samples_per_step
-    require(len(dataset) >= samples_per_step, f"the data set has {len(dataset)} sequences of {args.seq_length} "
-            f"tokens, fewer than the {samples_per_step} one optimizer step needs; use more data or a smaller "
-            "--batch-size, --grad-accum or --seq-length")
+    require(steps_per_epoch > 0, f"{len(dataset)} sequences are fewer than one step's {samples_per_step}; use more "
+            "data or a smaller --batch-size, --grad-accum or --seq-length")
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
-    # NOTE: fused=True runs AdamW's whole update as one kernel per group of tensors, on the GPU and on the CPU alike.
+    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU alike.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
-    # NOTE: the parameters are this rank's slices, so AdamW keeps moments for the slices only: the optimizer
-    # state is split with no change to the optimizer.
+    # NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too.
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume: if the experiment directory holds a checkpoint, training continues from it.
+    # 4. Resume from the experiment's latest checkpoint, if it has one.
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
     checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is not None:
         train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
         LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
 
-    # 5. Experiment tracking: wandb (online if you are logged in, offline otherwise) and metrics.jsonl, on rank 0.
+    # 5. Experiment tracking: wandb and metrics.jsonl, on rank 0.
     if rank == 0:
         wandb.init(project=args.wandb_project, name=args.experiment_name, id=get_wandb_run_id(experiment_dir),
                    resume="allow", dir=experiment_dir, mode=get_wandb_mode(args.wandb_mode), config=vars(args))
@@ -148,82 +120,57 @@ def main():
 
     # 6. The training loop.
     model.train()
-    progress_bar = tqdm(total=max_steps, initial=train_state["step"], desc="training", unit="step", dynamic_ncols=True,
+    micro_batches = get_micro_batches(dataset, args, train_state, device, 0, 1)
+    first_step = train_state["step"] + 1
+    last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
+    progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True,
                         disable=rank != 0)
-    steps_this_run, tokens_since_log, time_of_last_log = 0, 0, time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    done = train_state["step"] >= max_steps
-    while not done:
-        dataloader = get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
-                                    dp_rank, dp_size)
-        micro_batches = iter(dataloader)
-        for _ in range(len(dataloader) // args.grad_accum):
-            timer = StepTimer(device)
-            step_loss = torch.zeros((), device=device)
-            for _ in range(args.grad_accum):
-                with timer("data"):
-                    input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
-                    attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
-                # NOTE: loss_parallel() computes the cross-entropy from logits that stay split across ranks along
-                # the vocabulary: no rank ever holds the full batch x sequence x vocabulary logits. It must wrap the
-                # backward pass too. The loss is a replicated DTensor: full_tensor() reads it without communication.
-                with timer("forward"), loss_parallel(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    # NOTE: Hugging Face models shift the labels inside: token t is trained to predict token t + 1.
-                    # use_cache=False: no KV cache. Only generation needs one; in training it would keep every
-                    # layer's keys and values alive (twice, for a layer that activation checkpointing recomputes).
-                    loss = model(input_ids=input_ids, labels=input_ids, use_cache=False,
-                                 **attention_kwargs).loss / args.grad_accum
-                with timer("backward"), loss_parallel():
-                    loss.backward()
-                # NOTE: .detach() keeps the loss on the device. Calling .item() here would make the CPU wait for
-                # the GPU to finish every step; we read the value only on logging steps.
-                step_loss += loss.detach().full_tensor()
-            with timer("update"):
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                if steps_this_run == 0:
-                    log_memory_held(model, optimizer)
-                lr_scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+    tokens_since_log, time_of_last_log = 0, time.perf_counter()
+    for step in range(first_step, last_step + 1):
+        timer = StepTimer(device)
+        step_loss = torch.zeros((), device=device)
+        for _ in range(args.grad_accum):
+            with timer("data"):
+                input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
+            # NOTE: loss_parallel(), around backward too, computes the loss (a DTensor) from logits split along the
+            # vocabulary. Autocast, as no FSDP casts the weights.
+            with timer("forward"), loss_parallel(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+                # NOTE: the model shifts the labels: token t predicts token t + 1. No KV cache: only generation needs
+                # one, and it would keep every layer's keys and values alive.
+                loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
+            with timer("backward"), loss_parallel():
+                loss.backward()
+            # NOTE: .detach(), not .item(): the loss stays on the device, and the CPU does not wait for the GPU.
+            step_loss += loss.detach().full_tensor()
+        with timer("update"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            if step == first_step:
+                log_memory_held(model, optimizer)
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        train_state["step"] = step
+        train_state["samples_seen_in_epoch"] += samples_per_step
+        tokens_since_log += samples_per_step * args.seq_length
+        progress_bar.update()
 
-            train_state["step"] += 1
-            train_state["samples_seen_in_epoch"] += samples_per_step
-            steps_this_run += 1
-            tokens_since_log += samples_per_step * args.seq_length
-            progress_bar.update()
-            step = train_state["step"]
-            done = step == max_steps or steps_this_run == args.exit_after_steps
-
-            if step % args.log_freq == 0 or done:
-                # NOTE: each rank's loss is the mean over its own share of the batch; their average is the loss of
-                # the global batch. (gloo has no ReduceOp.AVG, so sum and divide.)
-                dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-                step_loss /= world_size
-                # NOTE: .item() waits for the device to finish the step: the only synchronization in a step. Only
-                # after it does the wall clock measure the GPU's work, not how fast the CPU queued the kernels.
-                loss_value = step_loss.item()
-                tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
-                tokens_since_log, time_of_last_log = 0, time.perf_counter()
-                record = {
-                    "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
-                    "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
-                    **get_memory_stats(device), **{f"time_{name}_ms": ms for name, ms in timer.read_ms().items()},
-                }
-                if rank == 0:
-                    log_metrics(record, metrics_file)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-
-            if step % args.ckpt_freq == 0 or done:
-                save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank)
-            if done:
-                break
-        if not done:
-            # NOTE: the data loader ran out: the epoch is over.
-            train_state["epoch"] += 1
-            train_state["samples_seen_in_epoch"] = 0
+        if step % args.log_freq == 0 or step == last_step:
+            # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG: sum, then divide).
+            dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+            step_loss /= world_size
+            # NOTE: .item() waits for the device: the only synchronization, and the clock then times the GPU.
+            loss_value = step_loss.item()
+            tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
+            tokens_since_log, time_of_last_log = 0, time.perf_counter()
+            record = {
+                "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
+                "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
+                **read_and_reset_memory_stats(device), **timer.read_ms()}
+            if rank == 0:
+                log_metrics(metrics_file, record)
+        if step % args.ckpt_freq == 0 or step == last_step:
+            save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank)
 
     progress_bar.close()
     if rank == 0:
@@ -237,47 +184,41 @@ def main():
 
 
 def get_parser():
-    parser = argparse.ArgumentParser(description="Train a Llama-style causal language model on one GPU, or on the CPU.",
+    parser = argparse.ArgumentParser(description="Train a Llama-style language model on one GPU, or on the CPU.",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    model_and_data = parser.add_argument_group("model and data")
-    model_and_data.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
-                                help="Hugging Face hub name or local folder with config.json and the tokenizer")
-    model_and_data.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
-                                help="Hugging Face hub name, or local folder or file (.jsonl .json .csv .txt .parquet)")
-    model_and_data.add_argument("--dataset-subset", help="the data set's configuration name, if it has several")
-    model_and_data.add_argument("--text-column", default="text", help="the data set's column that holds the text")
-    model_and_data.add_argument("--seq-length", type=int, default=256, help="tokens per training sequence")
-    model_and_data.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-                                help="compute dtype; auto is bfloat16 on CUDA and float32 on CPU")
-    model_and_data.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
-    model_and_data.add_argument("--num-workers", type=int, default=1, help="data loader worker processes")
-    training = parser.add_argument_group("training")
-    training.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the sample order")
-    training.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    training.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    training.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    training.add_argument("--warmup-steps", type=int, default=20, help="steps of linear warm-up before cosine decay")
-    training.add_argument("--weight-decay", type=float, default=0.1)
-    training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
-    training.add_argument("--max-steps", type=int, default=200,
-                          help="total optimizer steps; a resumed run stops where an uninterrupted one would")
-    training.add_argument("--num-epochs", type=int, help="passes over the data set to train, instead of --max-steps")
-    training.add_argument("--exit-after-steps", type=int,
-                          help="checkpoint and exit after this many steps of this run, e.g. to fit a job's time limit")
-    checkpoints = parser.add_argument_group("checkpoints and logging")
-    checkpoints.add_argument("-e", "--experiment-name", default="quickstart",
-                             help="name of this run: its checkpoints and metrics go to SAVE_DIR/EXPERIMENT_NAME")
-    checkpoints.add_argument("--save-dir", default="outputs", help="parent folder of all experiment folders")
-    checkpoints.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
-    checkpoints.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
-    checkpoints.add_argument("--wandb-mode", choices=["online", "offline", "disabled"], default=None,
-                             help="default: online if you are logged in to wandb, offline otherwise")
-    checkpoints.add_argument("--wandb-project", default="distributed-training-guide")
-    parallelism = parser.add_argument_group("parallelism")
-    parallelism.add_argument("--dist-timeout", type=int, default=600,
-                             help="seconds a collective waits for the other ranks before the job fails, any backend")
-    parallelism.add_argument("--rdzv-timeout", type=int, default=300,
-                             help="seconds to wait for the rendezvous at MASTER_ADDR:MASTER_PORT under srun or mpirun")
+    group = parser.add_argument_group("model and data")
+    group.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
+                       help="hub name, or folder with config.json and the tokenizer")
+    group.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
+                       help="hub name, or a folder or file (.jsonl .json .csv .txt .parquet)")
+    group.add_argument("--dataset-subset", help="the data set's configuration, if it has several")
+    group.add_argument("--text-column", default="text")
+    group.add_argument("--seq-length", type=int, default=256)
+    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                       help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    group.add_argument("--num-workers", type=int, default=1, help="data loader processes")
+    group = parser.add_argument_group("training")
+    group.add_argument("--seed", type=int, default=0, help="of the initial weights and the sample order")
+    group.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
+    group.add_argument("--weight-decay", type=float, default=0.1)
+    group.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
+    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the experiment, resumes included")
+    group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
+    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps of this run")
+    group = parser.add_argument_group("checkpoints and logging")
+    group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
+    group.add_argument("--save-dir", default="outputs")
+    group.add_argument("--log-freq", type=int, default=10, help="in steps")
+    group.add_argument("--ckpt-freq", type=int, default=100, help="in steps")
+    group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
+                       help="default: online if logged in to wandb, else offline")
+    group.add_argument("--wandb-project", default="distributed-training-guide")
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
+    group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
     return parser
 
 
@@ -291,23 +232,27 @@ def parse_args():
     return args
 
 
-def fail(message):
-    """Stop with a one-line error on stderr and exit status 1: for mistakes in the input, not bugs."""
-    raise SystemExit(f"error: {message}")
-
-
 def require(condition, message):
-    """An input rule, stated where the input is used: fail(message) unless the condition holds."""
     if not condition:
-        fail(message)
+        raise SystemExit(f"error: {message}")
+
+
+@contextlib.contextmanager
+def explain_load_errors(what, fix):
+    # NOTE: a wrong -m or -d gets one line, not a traceback per rank. An empty file raises a bare StopIteration, one
+    # that does not parse a DatasetsError caused by why.
+    try:
+        yield
+    except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
+        reason = (str(error.__cause__ or error).strip() or "it holds no data").splitlines()[0]
+        require(False, f"cannot load {what} ({reason}); {fix}")
 
 
 def get_distributed_environment(rdzv_timeout):
-    """Who started this process, and its rank, local rank and world size.
+    """Who started this process, and its rank, local rank and world size, in the variables init_process_group() reads.
 
-    torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT itself. srun and mpirun start every process
-    directly and set variables of their own, translated here; their job scripts export MASTER_ADDR and MASTER_PORT. A
-    plain `python train_llm.py` is a world of one process. init_process_group() reads the standard variables.
+    NOTE: torchrun sets them; srun and mpirun set their own, translated here (their job scripts export MASTER_ADDR and
+    MASTER_PORT); a plain `python train_llm.py` is a world of one process.
     """
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
@@ -326,12 +271,9 @@ def get_distributed_environment(rdzv_timeout):
         environment.setdefault("MASTER_PORT", str(find_free_port()))
     # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
     require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
-            != "True", "torchrun --max-restarts with the workers on the agent's TCP store (TORCHELASTIC_USE_AGENT_STORE"
-            "=True): a restart hangs or fails; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (with "
-            "--standalone or --rdzv-backend c10d), or drop --max-restarts")
-    require("MASTER_ADDR" in environment and "MASTER_PORT" in environment, f"started by {launcher} without "
-            "MASTER_ADDR and MASTER_PORT; export them in the job script, set to the first node of the job and a free "
-            "port (see job-srun.sbatch and mpirun.sh)")
+            != "True", "torchrun --max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun")
+    require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
+            f"{launcher} without MASTER_ADDR and MASTER_PORT: export them in the job script (see job-srun.sbatch)")
     rank = int(environment["RANK"])
     if launcher in ("srun", "mpirun") and rank != 0:
         wait_for_rendezvous(environment["MASTER_ADDR"], int(environment["MASTER_PORT"]), rdzv_timeout, rank)
@@ -339,20 +281,15 @@ def get_distributed_environment(rdzv_timeout):
 
 
 def wait_for_rendezvous(host, port, timeout, rank):
-    """Wait until rank 0's rendezvous server accepts connections, or fail with the address that did not answer.
-
-    NOTE: without this, a wrong MASTER_ADDR or a closed firewall port leaves every rank retrying silently until the
-    process group's timeout (--dist-timeout, 10 minutes by default).
-    """
+    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank retrying silently until --dist-timeout.
     deadline = time.monotonic() + timeout
     while True:
         try:
             socket.create_connection((host, port), timeout=5).close()
             return
         except OSError as error:
-            require(time.monotonic() <= deadline, f"rank {rank} on {socket.gethostname()} cannot reach the "
-                    f"rendezvous endpoint {host}:{port} after {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT "
-                    "and the firewall, and that rank 0 started")
+            require(time.monotonic() <= deadline, f"rank {rank} on {socket.gethostname()} cannot reach {host}:{port} "
+                    f"in {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT and the firewall")
             time.sleep(1)
 
 
@@ -368,30 +305,22 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    """This process's GPU, or the CPU.
-
-    NOTE: a launcher that binds one GPU to each process (Slurm's --gpus-per-task=1, a site's GPU binding) leaves
-    every process seeing a single GPU, cuda:0, whatever its local rank: cuda:LOCAL_RANK would be an invalid device.
-    The local rank picks the GPU only where the process sees several.
-    """
+    # NOTE: a launcher that binds one GPU to each process (Slurm's --gpus-per-task=1) leaves each seeing only cuda:0:
+    # the local rank picks the GPU only where the process sees several.
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
-    require(num_gpus <= 1 or local_rank < num_gpus, f"local rank {local_rank} but this process sees only {num_gpus} "
-            f"GPUs (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')}); start at most one process per "
-            "GPU on each node")
+    require(num_gpus <= 1 or local_rank < num_gpus, f"local rank {local_rank}, but only {num_gpus} GPUs visible: start "
+            "at most one process per GPU")
     return torch.device("cuda", local_rank if num_gpus > 1 else 0)
 
 
 @contextlib.contextmanager
 def rank_zero_first():
-    """Run the block on rank 0 first, then on the others.
+    """Run the block on rank 0 first (downloads, tokenizing into the shared cache), then on the others.
 
-    NOTE: rank 0 downloads the model and tokenizes the data into the shared cache alone; the other ranks then find
-    everything there, instead of 64 processes downloading and tokenizing the same at once. They wait in a barrier of a
-    gloo group of their own, whose timeout is a day: rank 0's work can outlast the process group's --dist-timeout, which
-    would end the job at a barrier of the default group. If rank 0 stops (an `error:` line, or an exception), it sends
-    the others its message, and they stop with it.
+    NOTE: the others wait in a gloo group of their own, with a day's timeout: rank 0's work can outlast --dist-timeout.
+    If rank 0 stops (an `error:` line, or an exception), it sends them its message, and they stop with it.
     """
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
@@ -413,95 +342,38 @@ def rank_zero_first():
 # 1. The model
 
 
-def load_model_config(model_name):
-    try:
-        return AutoConfig.from_pretrained(model_name)
-    except (OSError, ValueError) as error:
-        first_line = str(error).strip().splitlines()[0]
-        fail(f"cannot load a model config from {model_name!r} ({first_line}); "
-             "pass -m a local folder with config.json or a Hugging Face hub name like meta-llama/Llama-3.1-8B")
-
-
-def attention_implementation(attn_implementation):
-    """The attention implementation to build the model with: "sdpa" registered again under a name without masks.
-
-    NOTE: for "sdpa", transformers' mask creation reads position_ids on the host (packed sequences?): a sync in every
-    forward. A name with no mask function gets no mask, and SDPA runs with is_causal=True, as "sdpa" does after it.
-    """
-    if attn_implementation != "sdpa":
-        return attn_implementation
+def attention_implementation():
+    # NOTE: transformers' "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a
+    # name without a mask function, SDPA runs with is_causal=True instead.
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 
 
-def get_attention_kwargs(attn_implementation, input_ids):
-    """What the model's forward needs besides the tokens: for flash attention, where each sequence begins and ends.
-
-    NOTE: without them, transformers' flash-attention path checks, at batch size 1, whether position_ids pack several
-    sequences into one row, reading position_ids on the host: a host-device sync in every layer of every forward and a
-    graph break in every compiled one. Given the boundaries (cu_seq_lens: every sequence is seq_length tokens) and the
-    longest length, it calls flash_attn_varlen_func directly: the same causal attention. SDPA and eager need nothing.
-    """
-    if attn_implementation != "flash_attention_2":
-        return {}
-    batch_size, seq_length = input_ids.shape
-    boundaries = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
-    return dict(cu_seq_lens_q=boundaries, cu_seq_lens_k=boundaries, max_length_q=seq_length, max_length_k=seq_length)
-
-
-def check_tensor_parallel_degree(tp_degree, config, seq_length):
-    """Each rank gets an equal slice of the heads, the MLP width and the sequence, so all must divide evenly."""
-    sizes = {
-        "attention heads (num_attention_heads)": config.num_attention_heads,
-        "key/value heads (num_key_value_heads)": config.num_key_value_heads,
-        "MLP width (intermediate_size)": config.intermediate_size,
-        "vocabulary (vocab_size)": config.vocab_size,
-        "sequence length (--seq-length)": seq_length,
-    }
-    for name, size in sizes.items():
-        require(size % tp_degree == 0, f"the tensor-parallel degree {tp_degree} does not divide the {name}, {size}; "
-                f"use a degree that divides {config.num_key_value_heads} key/value heads, "
-                f"{config.num_attention_heads} heads, {config.intermediate_size} and the sequence length")
+def check_tensor_parallel_degree(degree, config, seq_length):
+    # NOTE: each rank computes whole key/value heads and equal slices of the MLP, the vocabulary and the tokens.
+    sizes = (config.num_key_value_heads, config.intermediate_size, config.vocab_size, seq_length)
+    require(all(size % degree == 0 for size in sizes), f"the tensor-parallel degree {degree} does not divide the "
+            f"key/value heads, MLP width, vocabulary and --seq-length {sizes}; use a divisor of each")
 
 
 def parallelize_model(model, tp_mesh):
-    """Split every layer of a Llama-family model across the ranks of tp_mesh.
-
-    Inside a decoder layer, activations are either sharded along the sequence (Shard(1): norms and residual
-    adds, which work token by token) or replicated (Replicate(): attention and MLP, which need the whole
-    sequence). Attention and MLP each go column-wise then row-wise, so each needs just two collectives: an
-    all-gather of the sequence on the way in, a reduce-scatter of the partial sums on the way out.
-    """
-    # NOTE: a model with tie_word_embeddings (Llama 3.2 1B and 3B, the small Qwen2.5) uses one matrix at both ends.
-    # parallelize_module() gives each of the two modules a DTensor of its own, which would train two matrices. Both
-    # are split along the vocabulary, Shard(0), so the head takes the embedding's DTensor back: init_weights(),
-    # AdamW, the checkpoint, chapter 07's FSDP and the parameter count see one matrix, as in chapter 01.
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise."""
     parallelize_module(model, tp_mesh, {
-        # NOTE: each rank holds a slice of the vocabulary's embedding rows; the partial lookups are summed across
-        # ranks into the full embeddings. They stay whole (Replicate) because Hugging Face's model computes the
-        # positions and the causal mask from their length; the first layer then keeps its rank's chunk of tokens.
+        # NOTE: whole embeddings: Hugging Face computes the positions and the mask from their length.
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True),
         "model.norm": SequenceParallel(),
-        # NOTE: the output head is split along the vocabulary and its logits stay split (Shard(-1)): loss_parallel()
-        # in the training step computes the cross-entropy from the pieces.
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
-    if tied:
-        embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
-        require(embedding.placements == head.placements, "the tied embedding and output head are split differently "
-                f"({embedding.placements} vs {head.placements}) and cannot share one matrix; split both along the "
-                "vocabulary, Shard(0)")
-        model.lm_head.weight = embedding
+    # NOTE: a tied head (Llama 3.2 1B) got its own DTensor, a second matrix: both Shard(0), it takes the embedding's.
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     for layer in model.model.layers:
         parallelize_module(layer, tp_mesh, {
             "input_layernorm": SequenceParallel(),
             "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            # NOTE: column-wise q, k, v projections give each rank whole heads (num_heads / tp of them), so the
-            # attention itself runs on local heads with no communication at all.
             "self_attn.q_proj": ColwiseParallel(),
             "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(),
@@ -516,93 +388,62 @@ def parallelize_model(model, tp_mesh):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    """Initialize every parameter from a generator seeded with the seed and the parameter's name.
-
-    NOTE: each parameter's values depend only on (seed, name, device type), not on the order in which parameters
-    are created or on how the model is split: every later chapter, however it splits the model across GPUs, starts
-    from this one's weights and reproduces its loss curve. (CPU and CUDA generators differ: compare GPU with GPU.)
-    """
-    std = model.config.initializer_range
+    # NOTE: values depend on (seed, name, device type) only, not on how the model is split: every later chapter
+    # starts from these weights and reproduces this loss curve.
     for name, param in model.named_parameters():
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        if name.endswith("norm.weight"):
-            full_value = torch.ones(param.shape, device=param.device)
-        else:
-            full_value = torch.empty(param.shape, device=param.device).normal_(mean=0.0, std=std, generator=generator)
-        # NOTE: param is this rank's slice (a DTensor): distribute_tensor() cuts it out of the full value, chapter 01's
-        # weights exactly. Every rank drew the same value: src_data_rank=None cuts it locally.
+        full_value = torch.empty(param.shape, device=param.device).normal_(0, model.config.initializer_range,
+                                                                           generator=generator)
+        full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
+        # NOTE: param is this rank's shard (a DTensor): its slice of the full value, chapter 01's weights exactly.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
 @torch.no_grad()
 def reset_rotary_embeddings(model, device):
-    """Recompute the rotary embeddings' inverse frequencies, which to_empty() left as uninitialized memory.
-
-    NOTE: inv_freq is a non-persistent buffer: not a parameter, so init_weights() skips it, and not in the state
-    dict, so loading a checkpoint does not restore it either. Forgetting this trains with garbage positions.
-    """
+    # NOTE: to_empty() left the rotary inverse frequencies uninitialized: a buffer that neither init_weights() nor a
+    # checkpoint restores. Forgetting this trains with garbage positions.
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
-            fresh_module = type(module)(module.config)
-            for name, buffer in fresh_module.named_buffers():
+            for name, buffer in type(module)(module.config).named_buffers():
                 module.register_buffer(name, buffer.to(device), persistent=False)
 
 
 # 2. The data
 
 
-def load_tokenizer(model_name):
-    try:
-        return AutoTokenizer.from_pretrained(model_name)
-    except (OSError, ValueError) as error:
-        first_line = str(error).strip().splitlines()[0]
-        fail(f"cannot load a tokenizer from {model_name!r} ({first_line}); the model folder must hold tokenizer files")
-
-
 def load_and_tokenize_dataset(args, tokenizer):
-    """Tokenize every document, join them with an end-of-text token, and cut the stream into seq_length chunks.
-
-    The result is saved on disk, keyed by everything it depends on, so the next run loads it in a second.
-    """
-    key = json.dumps([args.dataset_name, args.dataset_subset, args.text_column, tokenizer.name_or_path,
-                      len(tokenizer), args.seq_length])
+    key = json.dumps([args.dataset_name, args.dataset_subset, args.text_column, tokenizer.name_or_path, len(tokenizer),
+                      args.seq_length])
     cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "train_llm" / f"{zlib.crc32(key.encode()):08x}"
     if not cache_dir.exists():
         LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
-        raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
+        with explain_load_errors(f"-d {args.dataset_name}", "pass a hub name, or .jsonl .json .csv .txt .parquet"):
+            raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
         columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
-        require(columns.get(args.text_column) in ("string", "large_string"), f"the data set has no column "
-                f"{args.text_column!r} of text (its columns: {columns}); pass --text-column with the column of text")
+        require(columns.get(args.text_column) in ("string", "large_string"),
+                f"no text column {args.text_column!r} (columns: {columns}); pass --text-column")
         tokenized = raw_dataset.map(
             lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
             batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
         chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
                                 batched=True, batch_size=10_000, desc="chunking")
-        require(len(chunked) != 0, f"the data set holds fewer than --seq-length {args.seq_length} tokens; use more "
-                "data or a smaller --seq-length")
-        # NOTE: write to a temporary name and rename: a run killed half-way leaves no half-written cache behind.
+        # NOTE: written under a temporary name, then renamed: a killed run leaves no half-written cache.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
             os.replace(temporary_dir, cache_dir)
         except OSError:
-            # NOTE: another process finished the same cache first (e.g. on another node sharing this folder).
             shutil.rmtree(temporary_dir)
     return datasets.load_from_disk(cache_dir).with_format("torch")
 
 
 def load_raw_dataset(dataset_name, dataset_subset):
     path = Path(dataset_name)
-    try:
-        if path.is_file():
-            builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
-            return datasets.load_dataset(builder, data_files=str(path), split="train")
-        return datasets.load_dataset(dataset_name, dataset_subset, split="train")
-    # NOTE: an empty file raises a bare StopIteration; a file that does not parse, a DatasetsError caused by why.
-    except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
-        first_line = (str(error.__cause__ or error).strip() or "it holds no data").splitlines()[0]
-        fail(f"cannot load the data set {dataset_name!r} ({first_line}); pass -d a Hugging Face hub name like "
-             "tatsu-lab/alpaca, or a file or folder of .jsonl, .json, .csv, .txt or .parquet files in those formats")
+    if path.is_file():
+        builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    return datasets.load_dataset(dataset_name, dataset_subset, split="train")
 
 
 def cut_into_chunks(token_lists, seq_length):
@@ -610,21 +451,23 @@ def cut_into_chunks(token_lists, seq_length):
     return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
 
 
-def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
-    """This rank's batches of one epoch in a seeded random order, starting after the samples already trained on.
+def get_micro_batches(dataset, args, train_state, device, rank, world_size):
+    """Micro-batches, epoch after epoch, from the data position in train_state (which the training loop advances)."""
+    while True:
+        yield from get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
+                                  rank, world_size)
+        train_state["epoch"] += 1
+        train_state["samples_seen_in_epoch"] = 0
 
-    NOTE: the epoch's order is the permutation chapter 01 drew from (seed, epoch). It is cut after the samples the
-    whole job has seen so far, and only then dealt out round-robin by DistributedSampler (rank r gets samples r,
-    r + world_size, ...). Cutting before dealing is what lets a checkpoint written by 2 ranks resume on 3: the
-    data position is a count of global samples, whatever the world size that saw them.
-    """
-    generator = torch.Generator().manual_seed(args.seed + epoch)
-    sample_order = torch.randperm(len(dataset), generator=generator).tolist()
+
+def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
+    # NOTE: chapter 01's order of (seed, epoch) is cut at the global data position before DistributedSampler deals it
+    # out (rank r gets samples r, r + world_size, ...): a checkpoint of 2 ranks resumes exactly on 3.
+    sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
-    samples_per_step = args.batch_size * args.grad_accum
-    num_steps = len(sampler) // samples_per_step
-    return DataLoader(Subset(remaining, list(sampler)[:num_steps * samples_per_step]), batch_size=args.batch_size,
+    num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
                       num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
@@ -632,7 +475,6 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
 
 
 def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
-    """Linear warm-up from 0 to 1, then cosine decay to min_factor at max_steps (factors of the peak --lr)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
@@ -649,32 +491,20 @@ def find_latest_checkpoint(experiment_dir):
 
 
 def find_latest_checkpoint_on_rank_zero(experiment_dir):
-    """The latest checkpoint as rank 0 finds it, on every rank.
-
-    NOTE: on a shared file system (NFS, Lustre) a node's directory listing can be tens of seconds old, and a
-    restarted job lists the folder seconds after the last save: ranks that each looked for themselves could resume
-    from different checkpoints, or from one just deleted. One rank looks, and every rank takes its answer.
-    """
+    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
     choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
 
 
 def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):
-    """Save everything needed to continue exactly: weights, optimizer moments, schedule, RNG, data position.
-
-    NOTE: the files are written into a temporary folder that is renamed once complete. A crash during the save
-    leaves the previous checkpoint untouched; older checkpoints are deleted only after the new one exists.
-    No rank holds the whole model, so every rank writes its own shards, in parallel, with
-    torch.distributed.checkpoint (DCP); rank 0 adds the small files and renames the folder once all are done.
-    """
+    """Every rank writes its own shards with torch.distributed.checkpoint (DCP); rank 0 adds the small files."""
     started = time.perf_counter()
     temporary_dir = experiment_dir / f"tmp-checkpoint-{train_state['step']:08d}"
     if rank == 0:
         shutil.rmtree(temporary_dir, ignore_errors=True)
     dist.barrier()
-    # NOTE: get_state_dict() names the shards by their parameter names (model.layers.0.mlp.up_proj.weight, ...),
-    # as in chapter 01, and the optimizer state by the same names instead of by position.
+    # NOTE: get_state_dict() names the shards, and the optimizer state, by parameter names, as in chapter 01.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir)
     if rank == 0:
@@ -684,12 +514,14 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
 
 
 def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
+    # NOTE: written into a temporary folder renamed once complete, and only then are older checkpoints deleted: a
+    # crash during the save leaves the previous checkpoint untouched.
     final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
                temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where -m came from (a local folder made absolute): convert_to_hf.py saves its tokenizer with the weights.
+    # NOTE: where -m came from, for convert_to_hf.py's tokenizer (a local folder made absolute).
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -701,24 +533,23 @@ def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
 
 
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
-    saved_config = json.loads((checkpoint_dir / "model_config.json").read_text())
-    shape_keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads"]
-    different = [f"{key} {saved_config.get(key)} vs {getattr(config, key, None)}"
-                 for key in shape_keys if saved_config.get(key) != getattr(config, key, None)]
-    require(not different, f"the checkpoint {checkpoint_dir} was saved from a different model "
-            f"({', '.join(different)}); use another --experiment-name or --save-dir, or the model it was trained with")
-    # NOTE: dcp.load() fills the given state dicts in place, each rank reading just the slices of its own shards,
-    # whatever the world size that saved them: resuming on more or fewer GPUs reshards on the fly.
+    saved = json.loads((checkpoint_dir / "model_config.json").read_text())
+    different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
+                 if saved.get(key) != getattr(config, key, None)]
+    require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
+    # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    # NOTE: weights_only=True refuses to unpickle arbitrary objects, so a checkpoint cannot run code on load.
-    # map_location="cpu" whatever device wrote the file: it holds the RNG states, which must be CPU tensors.
+    # NOTE: weights_only: a checkpoint cannot run code. The RNG states must be CPU tensors, whoever wrote them.
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
     return train_state
+
+
+SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads"]
 
 
 # NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
@@ -736,13 +567,12 @@ def set_rng_state(rng_state):
 
 
 def get_wandb_mode(requested_mode):
-    """Online if you are logged in to wandb, offline otherwise: never stop and ask for an API key."""
+    # NOTE: online if you are logged in to wandb, offline otherwise: never stop and ask for an API key.
     return requested_mode or os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False)
                                                               else "offline")
 
 
 def get_wandb_run_id(experiment_dir):
-    """One wandb run per experiment: a resumed run keeps appending to the same run."""
     id_file = experiment_dir / "wandb_run_id.txt"
     if not id_file.exists():
         id_file.write_text(uuid.uuid4().hex[:12])
@@ -750,16 +580,11 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    """Training FLOPs per token: 6 per weight (forward 2, backward 4) plus attention's score and value matmuls.
-
-    The formula is the one of the PaLM paper (appendix B) and torchtitan: 6 * N + 12 * L * H * Q * T, with N the
-    parameters that do matmuls, L layers, H heads, Q the head dimension and T the sequence length.
-    """
-    num_params = sum(p.numel() for p in model.parameters())
-    # NOTE: the input embedding is a lookup, not a matmul: no FLOPs, unless tied to the output head (Llama 3.2 1B, 3B).
-    if not config.tie_word_embeddings:
-        num_params -= model.get_input_embeddings().weight.numel()
-    # NOTE: the config's head_dim where it states one: Qwen3's and Mistral-Nemo's heads are not hidden_size / heads.
+    # NOTE: PaLM's (appendix B) and torchtitan's formula: 6 per matmul weight, 12 * L * H * Q * T for attention.
+    # NOTE: the input embedding is a lookup, not a matmul, unless it is tied to the output head (Llama 3.2 1B, 3B).
+    num_params = sum(p.numel() for p in model.parameters()) - (
+        0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
+    # NOTE: Qwen3's and Mistral-Nemo's head_dim is not hidden_size / heads.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
@@ -770,7 +595,6 @@ PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100
 
 
 def get_peak_flops(device, dtype):
-    """Peak FLOP/s for the MFU denominator, or None where we do not know it (the CPU, an unlisted GPU, fp32)."""
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
@@ -778,36 +602,21 @@ def get_peak_flops(device, dtype):
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]
-    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: MFU will be n/a (add it to PEAK_BF16_FLOPS)")
-    return None
+    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: add it to PEAK_BF16_FLOPS for MFU")
 
 
-def get_memory_stats(device):
-    if device.type == "cuda":
-        return {"memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
-                "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
-    # NOTE: on Linux ru_maxrss is in kilobytes (on macOS in bytes): the peak resident memory of this process.
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"memory_rss_gb": max_rss * (1 if sys.platform == "darwin" else 1024) / 1e9}
+def read_and_reset_memory_stats(device):
+    if device.type != "cuda":
+        return {"memory_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    stats = {"memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+             "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
+    torch.cuda.reset_peak_memory_stats(device)
+    return stats
 
 
-def log_memory_held(model, optimizer):
-    """Log the bytes of parameters, gradients and optimizer state this rank holds: its shards only."""
-    def local_bytes(tensor):
-        local_tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return local_tensor.numel() * local_tensor.element_size()
-
-    parameters = sum(local_bytes(p) for p in model.parameters())
-    gradients = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    optimizer_state = sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
-                          if torch.is_tensor(value) and value.dim() > 0)
-    LOGGER.info(f"memory held by this rank: parameters {parameters / 1e6:.2f} MB, gradients {gradients / 1e6:.2f} MB, "
-                f"optimizer state {optimizer_state / 1e6:.2f} MB")
-
-
-def log_metrics(record, metrics_file):
+def log_metrics(metrics_file, record):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
-    memory = " ".join(f"{key.removesuffix('_gb')} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
+    memory = " ".join(f"{key[:-3]} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
     times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
     LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
                 f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
@@ -818,11 +627,8 @@ def log_metrics(record, metrics_file):
 
 
 class StepTimer:
-    """Time the phases of a training step (data, forward, backward, update) without stalling the GPU.
-
-    NOTE: CUDA kernels run asynchronously: time.perf_counter() around a GPU forward measures only the CPU queueing its
-    kernels. CUDA events go into the GPU's stream instead, read once per logging step, after a single synchronization.
-    """
+    # NOTE: CUDA kernels run asynchronously, so the CPU's clock would time their queueing: CUDA events go into the
+    # GPU's stream instead, read on logging steps only.
 
     def __init__(self, device):
         self.use_cuda_events = device.type == "cuda"
@@ -830,27 +636,39 @@ class StepTimer:
 
     @contextlib.contextmanager
     def __call__(self, name):
-        if self.use_cuda_events:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-        else:
-            start = time.perf_counter()
-            yield
-            end = time.perf_counter()
-        self.spans.append((name, start, end))
+        start = self.now()
+        yield
+        self.spans.append((name, start, self.now()))
+
+    def now(self):
+        if not self.use_cuda_events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def read_ms(self):
-        """Milliseconds per phase, summed over micro-batches. Waits for the GPU: call it on logging steps only."""
         if self.use_cuda_events:
             torch.cuda.synchronize()
-        totals = {}
+        totals = collections.defaultdict(float)
         for name, start, end in self.spans:
-            milliseconds = start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
-            totals[name] = totals.get(name, 0.0) + milliseconds
+            totals[f"time_{name}_ms"] += start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
         return totals
 
+
+
+def log_memory_held(model, optimizer):
+    """The bytes of parameters, gradients and optimizer state this rank holds: its shards only."""
+    def local_bytes(tensor):
+        local_tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return local_tensor.numel() * local_tensor.element_size()
+
+    parameters = sum(local_bytes(p) for p in model.parameters())
+    gradients = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    optimizer_state = sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
+                          if torch.is_tensor(value) and value.dim() > 0)
+    LOGGER.info(f"memory held by this rank: parameters {parameters / 1e6:.2f} MB, gradients {gradients / 1e6:.2f} MB, "
+                f"optimizer state {optimizer_state / 1e6:.2f} MB")
 
 if __name__ == "__main__":
     main()

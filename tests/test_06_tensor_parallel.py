@@ -213,10 +213,10 @@ def test_resume_is_exact(env, runs, tmp_path):
 
 
 BAD_DEGREES = {
-    "3 ranks, 8 heads": (3, [], "the tensor-parallel degree 3 does not divide the attention heads "
-                                "(num_attention_heads), 8; use a degree that divides 4 key/value heads, 8 heads"),
-    "2 ranks, 63 tokens": (2, ["--seq-length", "63"], "the tensor-parallel degree 2 does not divide the sequence "
-                                                      "length (--seq-length), 63"),
+    "3 ranks, 4 key/value heads": (3, [], "the tensor-parallel degree 3 does not divide the key/value heads, MLP "
+                                          "width, vocabulary and --seq-length (4, 768, 4096, 64); use a divisor"),
+    "2 ranks, 63 tokens": (2, ["--seq-length", "63"], "the tensor-parallel degree 2 does not divide the key/value "
+                                                      "heads, MLP width, vocabulary and --seq-length (4, 768, 4096, 63)"),
 }
 
 

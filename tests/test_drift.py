@@ -76,7 +76,6 @@ LINEAGE = {
     ("04", "06"): {
         "main": "tensor parallelism on a device mesh instead of FSDP, and loss_parallel()",
         "get_parser": "without --cpu-offload: tensor parallelism does not offload",
-        "init_weights": "its comment: tensor parallelism splits each weight into slices, where FSDP shards it",
         "shard_model": "tensor parallelism replaces FSDP's sharding",
         "check_tensor_parallel_degree": "a degree that does not divide the model gets a one-line error",
         "parallelize_model": "the tensor-parallel plan",
@@ -105,7 +104,6 @@ LINEAGE = {
         "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes",
         "get_parser": "the --tp and --dp-replicate options",
         "get_device_mesh": "the 2D mesh",
-        "get_data_parallel_dims": "the mesh's data-parallel dimensions",
         "shard_model": "FSDP (optionally hybrid) across the dp dimensions",
     },
     ("04", "09"): {
