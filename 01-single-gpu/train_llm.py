@@ -97,12 +97,11 @@ def main():
             with timer("data"):
                 input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
             with timer("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                # NOTE: the model shifts the labels: token t predicts token t + 1. No KV cache: only generation needs
-                # one, and it would keep every layer's keys and values alive.
+                # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
                 loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
             with timer("backward"):
                 loss.backward()
-            # NOTE: .detach(), not .item(): the loss stays on the device, and the CPU does not wait for the GPU.
+            # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
             step_loss += loss.detach()
         with timer("update"):
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -145,28 +144,28 @@ def get_parser():
                        help="hub name, or folder with config.json and the tokenizer")
     group.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
                        help="hub name, or a folder or file (.jsonl .json .csv .txt .parquet)")
-    group.add_argument("--dataset-subset", help="the data set's configuration, if it has several")
+    group.add_argument("--dataset-subset", help="the configuration, if it has several")
     group.add_argument("--text-column", default="text")
     group.add_argument("--seq-length", type=int, default=256)
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
-    group.add_argument("--num-workers", type=int, default=1, help="data loader processes")
+    group.add_argument("--num-workers", type=int, default=1)
     group = parser.add_argument_group("training")
-    group.add_argument("--seed", type=int, default=0, help="of the initial weights and the sample order")
+    group.add_argument("--seed", type=int, default=0, help="of the weights and the sample order")
     group.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
     group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
-    group.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
+    group.add_argument("--max-grad-norm", type=float, default=1.0)
     group.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the experiment, resumes included")
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
     group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps of this run")
     group = parser.add_argument_group("checkpoints and logging")
     group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
     group.add_argument("--save-dir", default="outputs")
-    group.add_argument("--log-freq", type=int, default=10, help="in steps")
-    group.add_argument("--ckpt-freq", type=int, default=100, help="in steps")
+    group.add_argument("--log-freq", type=int, default=10)
+    group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                        help="default: online if logged in to wandb, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
@@ -190,8 +189,7 @@ def require(condition, message):
 
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
-    # NOTE: a wrong -m or -d gets one line, not a traceback per rank. An empty file raises a bare StopIteration, one
-    # that does not parse a DatasetsError caused by why.
+    # NOTE: one line, not a traceback per rank; an empty file raises StopIteration, a bad one a DatasetsError.
     try:
         yield
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
@@ -244,7 +242,7 @@ def load_and_tokenize_dataset(args, tokenizer):
             batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
         chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
                                 batched=True, batch_size=10_000, desc="chunking")
-        # NOTE: written under a temporary name, then renamed: a killed run leaves no half-written cache.
+        # NOTE: written under a temporary name, then renamed: a killed run leaves no partial cache.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -268,7 +266,7 @@ def cut_into_chunks(token_lists, seq_length):
 
 
 def get_micro_batches(dataset, args, train_state, device):
-    """Micro-batches, epoch after epoch, from the data position in train_state (which the training loop advances)."""
+    """Micro-batches, epoch after epoch, from train_state's data position."""
     while True:
         yield from get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device)
         train_state["epoch"] += 1
@@ -328,8 +326,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
     require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
-    # NOTE: weights_only: a checkpoint cannot run code. map_location: without it, tensors return to the device they
-    # were saved from (cuda:0 for rank 0 of a GPU job), so a node's 8 processes would all load onto GPU 0.
+    # NOTE: weights_only: a checkpoint runs no code. map_location: else every rank loads onto the saver's cuda:0.
     model.load_state_dict(torch.load(checkpoint_dir / "model.pt", map_location=device, weights_only=True))
     optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True))
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
@@ -374,7 +371,6 @@ def get_flops_per_token(model, config, seq_length):
     # NOTE: the input embedding is a lookup, not a matmul, unless it is tied to the output head (Llama 3.2 1B, 3B).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
-    # NOTE: Qwen3's and Mistral-Nemo's head_dim is not hidden_size / heads.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 

@@ -41,15 +41,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
 
 
-# NOTE: @record writes this process's exception where torchrun's error summary shows it, not a bare "exit code 1".
+# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
 @record
 def main():
     args = parse_args()
     launcher, rank, local_rank, world_size = get_distributed_environment(args.rdzv_timeout)
     setup_logging(rank)
     LOGGER.info(f"arguments: {vars(args)}")
-    LOGGER.info(f"started by {launcher} on {socket.gethostname()}, "
-                f"rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}")
+    LOGGER.info(f"started by {launcher} on {socket.gethostname()}, rendezvous at {os.environ['MASTER_ADDR']}:"
+                f"{os.environ['MASTER_PORT']}")
     # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     device = get_device(local_rank)
@@ -134,12 +134,11 @@ def main():
             # NOTE: no autocast: FSDP casts the gathered weights to bf16. No no_sync(): it would keep whole gradients
             # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
             with timer("forward"):
-                # NOTE: the model shifts the labels: token t predicts token t + 1. No KV cache: only generation needs
-                # one, and it would keep every layer's keys and values alive.
+                # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
                 loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
             with timer("backward"):
                 loss.backward()
-            # NOTE: .detach(), not .item(): the loss stays on the device, and the CPU does not wait for the GPU.
+            # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
             step_loss += loss.detach()
         with timer("update"):
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -154,7 +153,7 @@ def main():
         progress_bar.update()
 
         if step % args.log_freq == 0 or step == last_step:
-            # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG: sum, then divide).
+            # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG).
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             step_loss /= world_size
             # NOTE: .item() waits for the device: the only synchronization, and the clock then times the GPU.
@@ -190,28 +189,28 @@ def get_parser():
                        help="hub name, or folder with config.json and the tokenizer")
     group.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
                        help="hub name, or a folder or file (.jsonl .json .csv .txt .parquet)")
-    group.add_argument("--dataset-subset", help="the data set's configuration, if it has several")
+    group.add_argument("--dataset-subset", help="the configuration, if it has several")
     group.add_argument("--text-column", default="text")
     group.add_argument("--seq-length", type=int, default=256)
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
-    group.add_argument("--num-workers", type=int, default=1, help="data loader processes")
+    group.add_argument("--num-workers", type=int, default=1)
     group = parser.add_argument_group("training")
-    group.add_argument("--seed", type=int, default=0, help="of the initial weights and the sample order")
+    group.add_argument("--seed", type=int, default=0, help="of the weights and the sample order")
     group.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
     group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
-    group.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping threshold")
+    group.add_argument("--max-grad-norm", type=float, default=1.0)
     group.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the experiment, resumes included")
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
     group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps of this run")
     group = parser.add_argument_group("checkpoints and logging")
     group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
     group.add_argument("--save-dir", default="outputs")
-    group.add_argument("--log-freq", type=int, default=10, help="in steps")
-    group.add_argument("--ckpt-freq", type=int, default=100, help="in steps")
+    group.add_argument("--log-freq", type=int, default=10)
+    group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                        help="default: online if logged in to wandb, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
@@ -239,8 +238,7 @@ def require(condition, message):
 
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
-    # NOTE: a wrong -m or -d gets one line, not a traceback per rank. An empty file raises a bare StopIteration, one
-    # that does not parse a DatasetsError caused by why.
+    # NOTE: one line, not a traceback per rank; an empty file raises StopIteration, a bad one a DatasetsError.
     try:
         yield
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
@@ -249,11 +247,8 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    """Who started this process, and its rank, local rank and world size, in the variables init_process_group() reads.
-
-    NOTE: torchrun sets them; srun and mpirun set their own, translated here (their job scripts export MASTER_ADDR and
-    MASTER_PORT); a plain `python train_llm.py` is a world of one process.
-    """
+    # NOTE: torchrun sets the variables init_process_group() reads; srun's and mpirun's are translated here (their job
+    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python train_llm.py` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -281,7 +276,7 @@ def get_distributed_environment(rdzv_timeout):
 
 
 def wait_for_rendezvous(host, port, timeout, rank):
-    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank retrying silently until --dist-timeout.
+    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank waiting until --dist-timeout.
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -305,8 +300,7 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    # NOTE: a launcher that binds one GPU to each process (Slurm's --gpus-per-task=1) leaves each seeing only cuda:0:
-    # the local rank picks the GPU only where the process sees several.
+    # NOTE: with one GPU bound to each process (Slurm's --gpus-per-task=1), every process sees only cuda:0.
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
@@ -317,11 +311,8 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    """Run the block on rank 0 first (downloads, tokenizing into the shared cache), then on the others.
-
-    NOTE: the others wait in a gloo group of their own, with a day's timeout: rank 0's work can outlast --dist-timeout.
-    If rank 0 stops (an `error:` line, or an exception), it sends them its message, and they stop with it.
-    """
+    # NOTE: rank 0 downloads and tokenizes alone while the others wait, in a gloo group with a day's timeout (longer
+    # than --dist-timeout); if it stops, it sends them its error and they stop with it.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -350,11 +341,8 @@ def attention_implementation():
 
 
 def shard_model(model, dtype, cpu_offload):
-    """Every decoder layer sharded as one group, then the rest (embeddings, final norm, output head) as the last.
-
-    NOTE: a group's parameters are all-gathered, and its gradients reduce-scattered, in one collective: one group per
-    layer keeps one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
-    """
+    # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
+    # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
     fsdp_config = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -381,8 +369,7 @@ def init_weights(model, seed):
 
 @torch.no_grad()
 def reset_rotary_embeddings(model, device):
-    # NOTE: to_empty() left the rotary inverse frequencies uninitialized: a buffer that neither init_weights() nor a
-    # checkpoint restores. Forgetting this trains with garbage positions.
+    # NOTE: to_empty() left the rotary frequencies uninitialized: neither init_weights() nor a checkpoint restores them.
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
             for name, buffer in type(module)(module.config).named_buffers():
@@ -408,7 +395,7 @@ def load_and_tokenize_dataset(args, tokenizer):
             batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
         chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
                                 batched=True, batch_size=10_000, desc="chunking")
-        # NOTE: written under a temporary name, then renamed: a killed run leaves no half-written cache.
+        # NOTE: written under a temporary name, then renamed: a killed run leaves no partial cache.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -432,7 +419,7 @@ def cut_into_chunks(token_lists, seq_length):
 
 
 def get_micro_batches(dataset, args, train_state, device, rank, world_size):
-    """Micro-batches, epoch after epoch, from the data position in train_state (which the training loop advances)."""
+    """Micro-batches, epoch after epoch, from train_state's data position."""
     while True:
         yield from get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
                                   rank, world_size)
@@ -484,7 +471,7 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     if rank == 0:
         shutil.rmtree(temporary_dir, ignore_errors=True)
     dist.barrier()
-    # NOTE: get_state_dict() names the shards, and the optimizer state, by parameter names, as in chapter 01.
+    # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir)
     if rank == 0:
@@ -564,7 +551,6 @@ def get_flops_per_token(model, config, seq_length):
     # NOTE: the input embedding is a lookup, not a matmul, unless it is tied to the output head (Llama 3.2 1B, 3B).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
-    # NOTE: Qwen3's and Mistral-Nemo's head_dim is not hidden_size / heads.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
@@ -638,17 +624,15 @@ class StepTimer:
 
 
 def log_memory_held(model, optimizer):
-    """The bytes of parameters, gradients and optimizer state this rank holds: its shards only."""
-    def local_bytes(tensor):
-        local_tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-        return local_tensor.numel() * local_tensor.element_size()
+    def megabytes(tensors):
+        return sum(getattr(tensor, "to_local", lambda: tensor)().nbytes for tensor in tensors) / 1e6
 
-    parameters = sum(local_bytes(p) for p in model.parameters())
-    gradients = sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    optimizer_state = sum(local_bytes(value) for state in optimizer.state.values() for value in state.values()
-                          if torch.is_tensor(value) and value.dim() > 0)
-    LOGGER.info(f"memory held by this rank: parameters {parameters / 1e6:.2f} MB, gradients {gradients / 1e6:.2f} MB, "
-                f"optimizer state {optimizer_state / 1e6:.2f} MB")
+    moments = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+               and value.dim() > 0]
+    LOGGER.info(f"memory held by this rank: parameters {megabytes(model.parameters()):.2f} MB, gradients "
+                f"{megabytes(p.grad for p in model.parameters() if p.grad is not None):.2f} MB, optimizer state "
+                f"{megabytes(moments):.2f} MB")
+
 
 if __name__ == "__main__":
     main()

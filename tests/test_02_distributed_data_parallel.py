@@ -194,7 +194,7 @@ def test_more_processes_than_visible_gpus_get_a_one_line_error(monkeypatch):
     chapter = load_script("02")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(SystemExit, match=r"^error: local rank 3 but this process sees only 2 GPUs"):
+    with pytest.raises(SystemExit, match=r"^error: local rank 3, but only 2 GPUs visible: start at most one process per GPU"):
         chapter.get_device(3)
 
 
