@@ -24,20 +24,31 @@ def run_dry(chapter, args, world_size, nproc_per_node=None):
     return result
 
 
-def test_tiny_fsdp_dry_run_holds_what_a_real_gloo_run_holds(env, tmp_path):
-    """Chapter 04 at world size 2: parameters, gradients and optimizer state to the byte, the second step's peak
-    within 15% of the real run's (its parameters and optimizer state plus the peak of live tensors above them)."""
+def assert_dry_run_holds_what_a_real_gloo_run_holds(chapter, world_size, env, tmp_path, *args):
+    """Parameters, gradients and optimizer state to the byte, the second step's peak within 15% of the real run's
+    (its parameters and optimizer state plus the peak of live tensors above them)."""
     out = tmp_path / "measured"
-    train("04", env, tmp_path, "--max-steps", "2", "--batch-size", "4", "--wandb-mode", "disabled", nproc=2,
-          launcher=[*torchrun(2), MEASURE, "--out", out])
+    train(chapter, env, tmp_path, "--max-steps", "2", "--batch-size", "4", "--wandb-mode", "disabled", *args,
+          nproc=world_size, launcher=[*torchrun(world_size), MEASURE, "--out", out])
     real = read_measurements(out)[0]
-    dry = run_dry("04", TINY_ARGS, 2)
+    dry = run_dry(chapter, [*TINY_ARGS, *args], world_size)
     rows = {row: value for row, value, _ in dry_run.compare(dry)}
     held = real["memory_held"]
     assert (rows["parameters"], rows["gradients"], rows["optimizer state"]) == (
         held["parameters"], held["gradients"], held["optimizer_state"])
     real_peak = held["parameters"] + held["optimizer_state"] + real["steps"][1]["peak_live_bytes_above_start"]
     assert abs(rows["peak"] / real_peak - 1) < 0.15, (rows["peak"], real_peak)
+    return dry
+
+
+def test_tiny_fsdp_dry_run_holds_what_a_real_gloo_run_holds(env, tmp_path):
+    assert_dry_run_holds_what_a_real_gloo_run_holds("04", 2, env, tmp_path)
+
+
+@pytest.mark.parametrize("chapter", ["04", "06"])
+def test_tiny_dry_run_at_world_size_4_holds_what_a_real_gloo_run_holds(chapter, env, tmp_path):
+    """Chapter 04 (FSDPMemTracker) and chapter 06 (tensor parallel over the 4 ranks, MemTracker)."""
+    assert_dry_run_holds_what_a_real_gloo_run_holds(chapter, 4, env, tmp_path)
 
 
 def test_8b_fsdp_at_64_ranks_agrees_with_the_estimate():

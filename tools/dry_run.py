@@ -89,6 +89,7 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import _sharding_prop
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     module = load_chapter(chapter)
@@ -180,6 +181,10 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         exit_stack.enter_context(patched(module.wandb, "init", lambda *a, **k: None))
         exit_stack.enter_context(patched(module.wandb, "finish", lambda *a, **k: None))
         exit_stack.enter_context(patched(torch.nn.Module, "to_empty", to_empty))
+        # NOTE: DTensor derives an operator's output shape by running it on fake tensors of the global shape, in the
+        # active fake mode; in another fake mode the tracker leaves them out (real runs never allocate them).
+        propagation_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        exit_stack.enter_context(patched(_sharding_prop, "detect_fake_mode", lambda *_: propagation_mode))
         try:
             module.main()
         except DryRunDone:
@@ -228,6 +233,8 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
     for flag in ["--activation-checkpointing", "--cpu-offload", "--split-root-group"]:
         parser.add_argument(flag, action="store_true")
     known, _ = parser.parse_known_args(chapter_args)
+    if chapter == "06":
+        known.tp = world_size
     model_parallel = known.tp * known.pp * known.cp
     argv = ["-m", known.m, "--dp", str(world_size // model_parallel), "--fsdp", "--rank", str(rank), "--batch-size",
             str(known.batch_size), "--seq-length", str(known.seq_length), "--grad-accum", str(known.grad_accum),
