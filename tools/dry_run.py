@@ -59,9 +59,9 @@ def main():
         raise SystemExit(f"error: --rank {args.rank} is not in a job of {world_size} ranks; give 0 to {world_size - 1}")
     if not any(arg == "--dtype" or arg.startswith("--dtype=") for arg in chapter_args):
         chapter_args = [*chapter_args, "--dtype", "bfloat16"]
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     result = dry_run(args.chapter, chapter_args, args.rank, args.nproc_per_node, world_size)
-    result["seconds"] = time.perf_counter() - started
+    result["seconds"], result["cpu_seconds"] = time.perf_counter() - started, time.process_time() - cpu_started
     result["estimate"] = estimate(args.chapter, chapter_args, args.rank, args.nproc_per_node, world_size)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -281,7 +281,8 @@ def compare(result):
 
 def print_table(result):
     print(f"dry run of {result['chapter']}, rank {result['rank']} of {result['world_size']}, batch size "
-          f"{result['batch_size']} x {result['seq_length']} tokens: {result['seconds']:.0f} s (fake process group, "
+          f"{result['batch_size']} x {result['seq_length']} tokens: {result['seconds']:.0f} s, "
+          f"{result['cpu_seconds']:.0f} s of CPU (fake process group, "
           f"fake tensors, {result['tracker']})")
     print(f"  {'MB on this rank':28s} {'dry run':>10s} {'estimate':>10s}")
     for row, dry, est in compare(result):
