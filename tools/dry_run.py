@@ -89,6 +89,8 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import InferenceMode, _derive_grad_metas, _StageBackwardMeta
     from torch.distributed.tensor import _sharding_prop
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -130,12 +132,21 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
             found["optimizers"].append(self)
             self.register_step_post_hook(after_step)
 
+    class MicroBatchMemTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            # NOTE: MemTracker refuses a root module's second forward in a step (a pipeline stage's next micro-batch,
+            # gradient accumulation); its per-module statistics start again, the totals the dry run reads do not.
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and set(
+                    self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
     def start_tracker():
         model, optimizers = found["model"], found["optimizers"]
         if isinstance(model, FSDPModule) and len(optimizers) == 1:
             tracker = FSDPMemTracker(model, optimizers[0])
         else:
-            tracker = MemTracker()
+            tracker = MicroBatchMemTracker()
             tracker.track_external(model, *optimizers)
         found["tracker"] = tracker
         found["exit"].enter_context(tracker)
@@ -161,6 +172,27 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
             found["peak"] = snapshot(tracker.get_tracker_snapshot("peak"))
             raise DryRunDone
 
+    # NOTE: a pipeline stage learns its neighbours' tensor shapes from them (a vote, then pickled metadata), which a
+    # fake process group cannot carry: every stage votes alike, and stage s+1 sends back the gradients' metadata of
+    # what stage s sent it. Only the first stage has no metadata to receive first, so only its ranks dry-run.
+    sent_metas = {}
+
+    def warmup_forward_vote(stage, has_backward, received_acc=None):
+        stage.dry_run_vote = 0 if InferenceMode.needs_dynamic(stage._user_meta, has_backward) else 1
+        return received_acc
+
+    def warmup_backward_result(stage, received_result=None):
+        return types.SimpleNamespace(item=lambda: stage.dry_run_vote)  # NOTE: the vote's only use: .item()
+
+    def send_meta(stage, meta, dst_stage):
+        sent_metas[dst_stage] = meta
+
+    def recv_meta(stage, src_stage):
+        if src_stage < stage.stage_index:
+            raise SystemExit(f"error: rank {rank} runs pipeline stage {stage.stage_index}, whose inputs' shapes only "
+                             "the stage before it can tell; dry-run a rank of the first stage (e.g. --rank 0)")
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(sent_metas[src_stage].forward_metas))
+
     patches = dict(
         get_distributed_environment=lambda timeout: ("dry run", rank, rank % nproc_per_node, world_size),
         rank_zero_first=contextlib.nullcontext, init_weights=init_weights,
@@ -181,6 +213,9 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         exit_stack.enter_context(patched(module.wandb, "init", lambda *a, **k: None))
         exit_stack.enter_context(patched(module.wandb, "finish", lambda *a, **k: None))
         exit_stack.enter_context(patched(torch.nn.Module, "to_empty", to_empty))
+        for name, value in [("_warmup_forward_vote", warmup_forward_vote), ("_send_meta", send_meta),
+                            ("_warmup_backward_result", warmup_backward_result), ("_recv_meta", recv_meta)]:
+            exit_stack.enter_context(patched(PipelineStage, name, value))
         # NOTE: DTensor derives an operator's output shape by running it on fake tensors of the global shape, in the
         # active fake mode; in another fake mode the tracker leaves them out (real runs never allocate them).
         propagation_mode = FakeTensorMode(allow_non_fake_inputs=True)
