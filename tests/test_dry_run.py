@@ -70,6 +70,14 @@ def test_8b_2d_parallel_at_64_ranks_agrees_with_the_estimate():
     assert dry["cpu_seconds"] < 60, dry["cpu_seconds"]
 
 
+def test_70b_pipeline_of_8_stages_at_64_ranks_agrees_with_the_estimate():
+    """Llama 3.1 70B, 8 stages (1F1B, 8 micro-batches) x FSDP 8, bf16, the first stage: every category within 10%."""
+    dry = run_dry("08", ["-m", str(REPO / "data/configs/llama-3.1-70b"), "--pp", "8", "--dtype", "bfloat16"], 64, 8)
+    for row, value, estimated in dry_run.compare(dry):
+        assert abs(value - estimated) <= 0.10 * estimated, (row, value, estimated)
+    assert dry["cpu_seconds"] < 60, dry["cpu_seconds"]
+
+
 def test_a_layout_the_chapter_rejects_ends_with_its_one_line_error():
     with pytest.raises(SystemExit, match=r"^error: the tensor-parallel degree 8 does not divide the key/value heads"):
         run_dry("07", [*TINY_ARGS, "--tp", "8"], 8)

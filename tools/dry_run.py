@@ -132,7 +132,17 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
             found["optimizers"].append(self)
             self.register_step_post_hook(after_step)
 
+    def update_peak(tracker, _state):
+        # NOTE: the trackers' own version also updates every module's peak at every operator (the dry run's main
+        # cost at 70B); only the totals are read here.
+        for device, device_snapshot in tracker._curr_mem_snap.items():
+            if tracker._peak_mem.get(device, 0) < device_snapshot["Total"]:
+                tracker._peak_mem[device] = device_snapshot["Total"]
+                tracker._peak_mem_snap[device] = dict(device_snapshot)
+
     class MicroBatchMemTracker(MemTracker):
+        _update_peak_stats = update_peak
+
         def _pre_fw_hook(self, module, inputs):
             # NOTE: MemTracker refuses a root module's second forward in a step (a pipeline stage's next micro-batch,
             # gradient accumulation); its per-module statistics start again, the totals the dry run reads do not.
@@ -145,6 +155,7 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         model, optimizers = found["model"], found["optimizers"]
         if isinstance(model, FSDPModule) and len(optimizers) == 1:
             tracker = FSDPMemTracker(model, optimizers[0])
+            tracker._update_peak_stats = types.MethodType(update_peak, tracker)
         else:
             tracker = MicroBatchMemTracker()
             tracker.track_external(model, *optimizers)
@@ -265,11 +276,16 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
     for flag, default in [("-m", "data/tiny-llama"), ("--tp", 1), ("--pp", 1), ("--cp", 1), ("--batch-size", 8),
                           ("--seq-length", 256), ("--grad-accum", 1), ("--dtype", "bfloat16"), ("--dp-replicate", 1)]:
         parser.add_argument(flag, type=type(default), default=default)
+    parser.add_argument("--pp-microbatches", type=int)
     for flag in ["--activation-checkpointing", "--cpu-offload", "--split-root-group"]:
         parser.add_argument(flag, action="store_true")
     known, _ = parser.parse_known_args(chapter_args)
     if chapter == "06":
         known.tp = world_size
+    if chapter == "08":
+        # NOTE: the estimator's --batch-size is one micro-batch and --grad-accum the micro-batches a stage runs.
+        micro_batches = known.pp_microbatches or known.batch_size
+        known.batch_size, known.grad_accum = known.batch_size // micro_batches, micro_batches
     model_parallel = known.tp * known.pp * known.cp
     argv = ["-m", known.m, "--dp", str(world_size // model_parallel), "--fsdp", "--rank", str(rank), "--batch-size",
             str(known.batch_size), "--seq-length", str(known.seq_length), "--grad-accum", str(known.grad_accum),
@@ -304,7 +320,8 @@ def compare(result):
     params = ("Sharded Param", "Parameter")
     grads = ("Sharded Grad", "Gradient")
     counters = result["step_counter_bytes"]
-    dry_peak_other = peak["Total"] - get(peak, *params, "Optstate", "OptState", "Activation")
+    # NOTE: the held parameters: MemTracker files FSDP's gathered (unsharded) parameters as parameters too.
+    dry_peak_other = peak["Total"] - get(held, *params) - get(peak, "Optstate", "OptState", "Activation")
     est_other = est["peak_bytes"] - est["params_bytes"] - est["optimizer_bytes"] - est["activations_bytes"]
     return [("parameters", get(held, *params), est["params_bytes"]),
             ("gradients", get(held, *grads), est["grads_bytes"]),
