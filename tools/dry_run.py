@@ -2,6 +2,8 @@
 
     python tools/dry_run.py 04 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b
     python tools/dry_run.py 07 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --tp 8
+    python tools/dry_run.py 08 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-70b --pp 8
+    python tools/dry_run.py 09 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --cp 8 --seq-length 8192
 
 Everything after the chapter goes to the chapter's train_llm.py, whose main() runs as on rank --rank of a job of
 --nnodes x --nproc-per-node processes, with three things swapped underneath it:
@@ -22,7 +24,10 @@ Beside them: tools/estimate_memory.py's prediction for the same layout.
 
 On the CPU the chapters compute in float32 unless told; a dry run is for a GPU job, so it passes --dtype bfloat16
 unless the arguments give a --dtype. Limits: a fake collective moves nothing, so values (losses, gradient norms)
-mean nothing; peaks are sums of tensor sizes (no allocator rounding or fragmentation, no CUDA/NCCL workspace).
+mean nothing; a pipeline stage cannot learn its neighbours' shapes, so chapter 08 dry-runs the ranks of its first
+stage only (the tool answers the shape exchange for them); peaks are sums of tensor sizes (no allocator rounding
+or fragmentation, no CUDA/NCCL workspace); --cpu-offload needs CUDA, which the dry run does not fake. The tracker's
+activations are those alive at the peak, the estimator's all that forward saves: compare the peaks.
 """
 
 import argparse
