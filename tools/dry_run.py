@@ -2,6 +2,8 @@
 
     python tools/dry_run.py 04 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b
     python tools/dry_run.py 07 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --tp 8
+    python tools/dry_run.py 08 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-70b --pp 8
+    python tools/dry_run.py 09 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --cp 8 --seq-length 8192
 
 Everything after the chapter goes to the chapter's train_llm.py, whose main() runs as on rank --rank of a job of
 --nnodes x --nproc-per-node processes, with three things swapped underneath it:
@@ -22,7 +24,10 @@ Beside them: tools/estimate_memory.py's prediction for the same layout.
 
 On the CPU the chapters compute in float32 unless told; a dry run is for a GPU job, so it passes --dtype bfloat16
 unless the arguments give a --dtype. Limits: a fake collective moves nothing, so values (losses, gradient norms)
-mean nothing; peaks are sums of tensor sizes (no allocator rounding or fragmentation, no CUDA/NCCL workspace).
+mean nothing; a pipeline stage cannot learn its neighbours' shapes, so chapter 08 dry-runs the ranks of its first
+stage only (the tool answers the shape exchange for them); peaks are sums of tensor sizes (no allocator rounding
+or fragmentation, no CUDA/NCCL workspace); --cpu-offload needs CUDA, which the dry run does not fake. The tracker's
+activations are those alive at the peak, the estimator's all that forward saves: compare the peaks.
 """
 
 import argparse
@@ -59,9 +64,9 @@ def main():
         raise SystemExit(f"error: --rank {args.rank} is not in a job of {world_size} ranks; give 0 to {world_size - 1}")
     if not any(arg == "--dtype" or arg.startswith("--dtype=") for arg in chapter_args):
         chapter_args = [*chapter_args, "--dtype", "bfloat16"]
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     result = dry_run(args.chapter, chapter_args, args.rank, args.nproc_per_node, world_size)
-    result["seconds"] = time.perf_counter() - started
+    result["seconds"], result["cpu_seconds"] = time.perf_counter() - started, time.process_time() - cpu_started
     result["estimate"] = estimate(args.chapter, chapter_args, args.rank, args.nproc_per_node, world_size)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -89,6 +94,9 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining._utils import InferenceMode, _derive_grad_metas, _StageBackwardMeta
+    from torch.distributed.tensor import _sharding_prop
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     module = load_chapter(chapter)
@@ -129,12 +137,32 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
             found["optimizers"].append(self)
             self.register_step_post_hook(after_step)
 
+    def update_peak(tracker, _state):
+        # NOTE: the trackers' own version also updates every module's peak at every operator (the dry run's main
+        # cost at 70B); only the totals are read here.
+        for device, device_snapshot in tracker._curr_mem_snap.items():
+            if tracker._peak_mem.get(device, 0) < device_snapshot["Total"]:
+                tracker._peak_mem[device] = device_snapshot["Total"]
+                tracker._peak_mem_snap[device] = dict(device_snapshot)
+
+    class MicroBatchMemTracker(MemTracker):
+        _update_peak_stats = update_peak
+
+        def _pre_fw_hook(self, module, inputs):
+            # NOTE: MemTracker refuses a root module's second forward in a step (a pipeline stage's next micro-batch,
+            # gradient accumulation); its per-module statistics start again, the totals the dry run reads do not.
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and set(
+                    self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
     def start_tracker():
         model, optimizers = found["model"], found["optimizers"]
         if isinstance(model, FSDPModule) and len(optimizers) == 1:
             tracker = FSDPMemTracker(model, optimizers[0])
+            tracker._update_peak_stats = types.MethodType(update_peak, tracker)
         else:
-            tracker = MemTracker()
+            tracker = MicroBatchMemTracker()
             tracker.track_external(model, *optimizers)
         found["tracker"] = tracker
         found["exit"].enter_context(tracker)
@@ -160,6 +188,27 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
             found["peak"] = snapshot(tracker.get_tracker_snapshot("peak"))
             raise DryRunDone
 
+    # NOTE: a pipeline stage learns its neighbours' tensor shapes from them (a vote, then pickled metadata), which a
+    # fake process group cannot carry: every stage votes alike, and stage s+1 sends back the gradients' metadata of
+    # what stage s sent it. Only the first stage has no metadata to receive first, so only its ranks dry-run.
+    sent_metas = {}
+
+    def warmup_forward_vote(stage, has_backward, received_acc=None):
+        stage.dry_run_vote = 0 if InferenceMode.needs_dynamic(stage._user_meta, has_backward) else 1
+        return received_acc
+
+    def warmup_backward_result(stage, received_result=None):
+        return types.SimpleNamespace(item=lambda: stage.dry_run_vote)  # NOTE: the vote's only use: .item()
+
+    def send_meta(stage, meta, dst_stage):
+        sent_metas[dst_stage] = meta
+
+    def recv_meta(stage, src_stage):
+        if src_stage < stage.stage_index:
+            raise SystemExit(f"error: rank {rank} runs pipeline stage {stage.stage_index}, whose inputs' shapes only "
+                             "the stage before it can tell; dry-run a rank of the first stage (e.g. --rank 0)")
+        return _StageBackwardMeta(backward_metas=_derive_grad_metas(sent_metas[src_stage].forward_metas))
+
     patches = dict(
         get_distributed_environment=lambda timeout: ("dry run", rank, rank % nproc_per_node, world_size),
         rank_zero_first=contextlib.nullcontext, init_weights=init_weights,
@@ -180,6 +229,13 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         exit_stack.enter_context(patched(module.wandb, "init", lambda *a, **k: None))
         exit_stack.enter_context(patched(module.wandb, "finish", lambda *a, **k: None))
         exit_stack.enter_context(patched(torch.nn.Module, "to_empty", to_empty))
+        for name, value in [("_warmup_forward_vote", warmup_forward_vote), ("_send_meta", send_meta),
+                            ("_warmup_backward_result", warmup_backward_result), ("_recv_meta", recv_meta)]:
+            exit_stack.enter_context(patched(PipelineStage, name, value))
+        # NOTE: DTensor derives an operator's output shape by running it on fake tensors of the global shape, in the
+        # active fake mode; in another fake mode the tracker leaves them out (real runs never allocate them).
+        propagation_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        exit_stack.enter_context(patched(_sharding_prop, "detect_fake_mode", lambda *_: propagation_mode))
         try:
             module.main()
         except DryRunDone:
@@ -225,9 +281,16 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
     for flag, default in [("-m", "data/tiny-llama"), ("--tp", 1), ("--pp", 1), ("--cp", 1), ("--batch-size", 8),
                           ("--seq-length", 256), ("--grad-accum", 1), ("--dtype", "bfloat16"), ("--dp-replicate", 1)]:
         parser.add_argument(flag, type=type(default), default=default)
+    parser.add_argument("--pp-microbatches", type=int)
     for flag in ["--activation-checkpointing", "--cpu-offload", "--split-root-group"]:
         parser.add_argument(flag, action="store_true")
     known, _ = parser.parse_known_args(chapter_args)
+    if chapter == "06":
+        known.tp = world_size
+    if chapter == "08":
+        # NOTE: the estimator's --batch-size is one micro-batch and --grad-accum the micro-batches a stage runs.
+        micro_batches = known.pp_microbatches or known.batch_size
+        known.batch_size, known.grad_accum = known.batch_size // micro_batches, micro_batches
     model_parallel = known.tp * known.pp * known.cp
     argv = ["-m", known.m, "--dp", str(world_size // model_parallel), "--fsdp", "--rank", str(rank), "--batch-size",
             str(known.batch_size), "--seq-length", str(known.seq_length), "--grad-accum", str(known.grad_accum),
@@ -262,7 +325,8 @@ def compare(result):
     params = ("Sharded Param", "Parameter")
     grads = ("Sharded Grad", "Gradient")
     counters = result["step_counter_bytes"]
-    dry_peak_other = peak["Total"] - get(peak, *params, "Optstate", "OptState", "Activation")
+    # NOTE: the held parameters: MemTracker files FSDP's gathered (unsharded) parameters as parameters too.
+    dry_peak_other = peak["Total"] - get(held, *params) - get(peak, "Optstate", "OptState", "Activation")
     est_other = est["peak_bytes"] - est["params_bytes"] - est["optimizer_bytes"] - est["activations_bytes"]
     return [("parameters", get(held, *params), est["params_bytes"]),
             ("gradients", get(held, *grads), est["grads_bytes"]),
@@ -274,7 +338,8 @@ def compare(result):
 
 def print_table(result):
     print(f"dry run of {result['chapter']}, rank {result['rank']} of {result['world_size']}, batch size "
-          f"{result['batch_size']} x {result['seq_length']} tokens: {result['seconds']:.0f} s (fake process group, "
+          f"{result['batch_size']} x {result['seq_length']} tokens: {result['seconds']:.0f} s, "
+          f"{result['cpu_seconds']:.0f} s of CPU (fake process group, "
           f"fake tensors, {result['tracker']})")
     print(f"  {'MB on this rank':28s} {'dry run':>10s} {'estimate':>10s}")
     for row, dry, est in compare(result):
