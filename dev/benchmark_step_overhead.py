@@ -133,7 +133,7 @@ def run_logged(command, env, log_file):
 def bare_step_seconds(options, warmup_steps, steps):
     """The least a training step can cost: forward, backward and AdamW on one fixed batch, nothing else."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if options["dtype"] == "auto":
@@ -142,8 +142,12 @@ def bare_step_seconds(options, warmup_steps, steps):
         dtype = getattr(torch, options["dtype"])
     config = AutoConfig.from_pretrained(options["model_name"])
     with device:
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=options["attn_implementation"],
-                                                 dtype=torch.float32)
+        # NOTE: the chapters' attention: SDPA registered without transformers' host-syncing mask (chapter 05 also
+        # offers eager and flash attention under --attn-implementation).
+        AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
+        attention = options.get("attn_implementation", "sdpa")
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="causal_sdpa" if attention == "sdpa"
+                                                 else attention, dtype=torch.float32)
     if options["precision"] == "fsdp":
         shard_like_the_chapter(model, dtype, device)
     print(f"bare loop: {dtype} via {options['precision']}", file=sys.stderr)
