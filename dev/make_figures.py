@@ -4,7 +4,7 @@ tools/estimate_memory.py:
     python dev/make_figures.py            # all figures into docs/figures/ and all tables into the READMEs
     python dev/make_figures.py --tables   # only the tables (seconds; nothing is trained)
     python dev/make_figures.py --fast     # few steps, into a temporary folder (what the tests run)
-    python dev/make_figures.py --dry-runs # only the dry-run tables (tools/dry_run.py: about N minutes on 2 cores)
+    python dev/make_figures.py --dry-runs # only the dry-run tables (tools/dry_run.py, 8 runs: 9 minutes on 2 cores)
 
 The figures, and the runs each one is drawn from (the tables below list them; a new chapter adds its runs there):
 
