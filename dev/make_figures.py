@@ -553,7 +553,7 @@ def run_dry_run(arguments, work_dir, reuse):
         if result.returncode != 0:
             raise SystemExit(f"error: tools/dry_run.py {arguments} failed: {result.stderr.strip().splitlines()[-1:]}")
         # NOTE: the chapter's own log lines come first; the JSON starts at the last line that is "{".
-        out.write_text(result.stdout[result.stdout.rindex("\n{\n") + 1:])
+        out.write_text(result.stdout[("\n" + result.stdout).rindex("\n{\n"):])
         print(f"dry run {arguments}: {time.perf_counter() - started:.0f}s", flush=True)
     return json.loads(out.read_text())
 
