@@ -4,6 +4,7 @@ tools/estimate_memory.py:
     python dev/make_figures.py            # all figures into docs/figures/ and all tables into the READMEs
     python dev/make_figures.py --tables   # only the tables (seconds; nothing is trained)
     python dev/make_figures.py --fast     # few steps, into a temporary folder (what the tests run)
+    python dev/make_figures.py --dry-runs # only the dry-run tables (tools/dry_run.py, 8 runs: 9 minutes on 2 cores)
 
 The figures, and the runs each one is drawn from (the tables below list them; a new chapter adds its runs there):
 
@@ -24,6 +25,7 @@ Everything runs on the CPU with the bundled tiny model and corpus; a full run to
 """
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -76,6 +78,8 @@ def main():
                         help="3 steps, two parity runs, one process per run otherwise, all in a temporary folder: "
                              "a check of the tool, not the figures")
     parser.add_argument("--tables", action="store_true", help="only rewrite the README tables (no training)")
+    parser.add_argument("--dry-runs", action="store_true",
+                        help="only rewrite the README tables of tools/dry_run.py's runs (minutes each at 70B and 405B)")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="where the figures go (default: docs/figures, or a temporary folder with --fast)")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the runs go (default: a temporary folder)")
@@ -83,6 +87,10 @@ def main():
     parser.add_argument("--reuse", action="store_true",
                         help="keep the runs a previous call left in --work-dir instead of training again")
     args = parser.parse_args()
+    if args.dry_runs:
+        changed = write_dry_run_tables(Path(args.work_dir or tempfile.mkdtemp(prefix="make-figures-")), args.reuse)
+        print(f"dry-run tables: {', '.join(changed) if changed else 'all up to date'}")
+        return
     if args.tables:
         changed = write_readme_tables()
         print(f"tables: {', '.join(changed) if changed else 'all up to date'}")
@@ -481,6 +489,110 @@ def write_readme_tables(runner=None):
         if path.read_text() != text:
             path.write_text(text)
             changed.append(str(path.relative_to(REPO)))
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The dry-run tables, from tools/dry_run.py beside tools/estimate_memory.py (--dry-runs; the tests check only that
+# their estimate column is what the estimator computes now)
+
+# marker name: (README, the layout as the table names it, tools/dry_run.py's arguments)
+DRY_RUN_TABLES = {
+    "dry-run-04-8b": ("04-fully-sharded-data-parallel/README.md", "Llama-3.1-8B, FSDP over 8 GPUs",
+                      "04 --nnodes 1 --nproc-per-node 8 -m data/configs/llama-3.1-8b"),
+    "dry-run-04-70b": ("04-fully-sharded-data-parallel/README.md", "Llama-3.1-70B, FSDP over 8 GPUs",
+                       "04 --nnodes 1 --nproc-per-node 8 -m data/configs/llama-3.1-70b"),
+    "dry-run-05-405b": ("05-training-llama-405b/README.md",
+                        "Llama 3.1 405B, FSDP over 64 GPUs, 4,096 tokens, activation checkpointing, no CPU offload",
+                        "05 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-405b --seq-length 4096 "
+                        "--batch-size 1 --activation-checkpointing"),
+    "dry-run-06-8b": ("06-tensor-parallel/README.md", "Llama-3.1-8B, TP 8 on one node",
+                      "06 --nnodes 1 --nproc-per-node 8 -m data/configs/llama-3.1-8b"),
+    "dry-run-07-8b": ("07-2d-parallel/README.md", "Llama-3.1-8B, 8 nodes, dp 8 x tp 8",
+                      "07 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --tp 8"),
+    "dry-run-07-70b": ("07-2d-parallel/README.md", "Llama-3.1-70B, 4 nodes, dp 4 x tp 8",
+                       "07 --nnodes 4 --nproc-per-node 8 -m data/configs/llama-3.1-70b --tp 8"),
+    "dry-run-08-70b": ("08-pipeline-parallel/README.md",
+                       "Llama-3.1-70B, 8 nodes, pp 8 x dp 8, 16 micro-batches of 1,024 tokens, the first stage",
+                       "08 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-70b --pp 8 --seq-length 1024 "
+                       "--batch-size 16"),
+    "dry-run-09-8b": ("09-context-parallel/README.md", "Llama-3.1-8B, one node, cp 8, 32,768 tokens",
+                      "09 --nnodes 1 --nproc-per-node 8 -m data/configs/llama-3.1-8b --cp 8 --seq-length 32768 "
+                      "--batch-size 1"),
+}
+DRY_RUN_ROWS = ["parameters", "gradients", "optimizer state", "activations at the peak", "the rest at the peak", "peak"]
+
+
+def dry_run_layout(arguments):
+    """(chapter, its arguments, nproc per node, world size) of a dry_run.py command line, with its default dtype."""
+    words = arguments.split()
+    chapter, nnodes, nproc = words[0], int(words[words.index("--nnodes") + 1]), int(words[words.index("--nproc-per-node") + 1])
+    chapter_args = [word for index, word in enumerate(words[1:], 1)
+                    if word not in ("--nnodes", "--nproc-per-node") and words[index - 1] not in ("--nnodes", "--nproc-per-node")]
+    return chapter, [*chapter_args, "--dtype", "bfloat16"], nproc, nnodes * nproc
+
+
+def dry_run_estimate(arguments):
+    """{row: bytes}: tools/estimate_memory.py's side of tools/dry_run.py's comparison, computed now."""
+    import dry_run
+
+    chapter, chapter_args, nproc, world_size = dry_run_layout(arguments)
+    result = {"held": {}, "peak": {"Total": 0}, "step_counter_bytes": 0,
+              "estimate": dry_run.estimate(chapter, chapter_args, 0, nproc, world_size)}
+    return {row: estimated for row, _, estimated in dry_run.compare(result)}
+
+
+def run_dry_run(arguments, work_dir, reuse):
+    """tools/dry_run.py's --json result for rank 0 (kept in work_dir/dry-runs/, reused with --reuse)."""
+    out = work_dir / "dry-runs" / (re.sub(r"[^\w.-]+", "_", arguments) + ".json")
+    if not (reuse and out.exists()):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        started = time.perf_counter()
+        result = subprocess.run([sys.executable, str(TOOLS / "dry_run.py"), *arguments.split(), "--json"], cwd=REPO,
+                                capture_output=True, text=True, timeout=3 * 3600)
+        if result.returncode != 0:
+            raise SystemExit(f"error: tools/dry_run.py {arguments} failed: {result.stderr.strip().splitlines()[-1:]}")
+        # NOTE: the chapter's own log lines come first; the JSON starts at the last line that is "{".
+        out.write_text(result.stdout[("\n" + result.stdout).rindex("\n{\n"):])
+        print(f"dry run {arguments}: {time.perf_counter() - started:.0f}s", flush=True)
+    return json.loads(out.read_text())
+
+
+def dry_run_table(layout, arguments, result):
+    import dry_run
+
+    lines = [f"| {layout}, rank 0, per GPU | estimate | dry run | difference |", "| --- | --- | --- | --- |"]
+    for row, measured, estimated in dry_run.compare(result):
+        difference = "equal" if measured == estimated else f"{measured / estimated - 1:+.1%}" if estimated else ""
+        lines.append(f"| {row} | {dry_gigabytes(estimated)} | {dry_gigabytes(measured)} | {difference} |")
+    lines.append(f"\nDry run on the CPU, fake process group and FakeTensorMode (`python tools/dry_run.py {arguments}`, "
+                 f"{result['cpu_seconds']:.0f} s of CPU); the estimate is tools/estimate_memory.py's for the same "
+                 f"layout.")
+    return "\n".join(lines)
+
+
+def dry_gigabytes(value):
+    return f"{value / 1e9:,.2f} GB"
+
+
+def dry_run_block(name):
+    return re.compile(rf"(<!-- table: {name}, written by dev/make_figures\.py -->\n)(.*?)(\n<!-- end of table -->)",
+                      re.DOTALL)
+
+
+def write_dry_run_tables(work_dir, reuse):
+    changed = []
+    for name, (readme, layout, arguments) in DRY_RUN_TABLES.items():
+        path = REPO / readme
+        if not dry_run_block(name).search(path.read_text()):
+            raise SystemExit(f"error: {readme} has no table marked {name!r}; put the table between "
+                             f"'<!-- table: {name}, written by dev/make_figures.py -->' and '<!-- end of table -->'")
+        table = dry_run_table(layout, arguments, run_dry_run(arguments, work_dir, reuse))
+        text = path.read_text()
+        new = dry_run_block(name).sub(lambda match: match.group(1) + table + match.group(3), text)
+        if new != text:
+            path.write_text(new)
+            changed.append(f"{readme} ({name})")
     return changed
 
 

@@ -126,6 +126,25 @@ def test_the_readme_tables_are_what_the_estimator_computes():
     assert not stale, f"tables in {stale} differ from tools/estimate_memory.py: run python dev/make_figures.py --tables"
 
 
+def test_the_dry_run_tables_show_what_the_estimator_computes_now():
+    """Every table `dev/make_figures.py --dry-runs` writes is marked where it expects, names its command, and its
+    estimate column is tools/estimate_memory.py's figure now. The dry runs themselves take minutes: not run here."""
+    sys.path.insert(0, str(REPO / "dev"))
+    import make_figures
+
+    for name, (readme, layout, arguments) in make_figures.DRY_RUN_TABLES.items():
+        match = make_figures.dry_run_block(name).search((REPO / readme).read_text())
+        assert match, f"{readme} has no table marked {name!r}"
+        cells = [[cell.strip() for cell in line.strip("|").split("|")] for line in match.group(2).splitlines()
+                 if line.startswith("| ")]
+        assert cells and cells[0][0] == f"{layout}, rank 0, per GPU", f"{readme}'s table {name} is not of {layout}"
+        expected = {row: make_figures.dry_gigabytes(value)
+                    for row, value in make_figures.dry_run_estimate(arguments).items()}
+        assert {row[0]: row[1] for row in cells[2:]} == expected, \
+            f"{readme}'s table {name}: the estimate has changed; run python dev/make_figures.py --dry-runs"
+        assert f"`python tools/dry_run.py {arguments}`" in match.group(2)
+
+
 @pytest.mark.parametrize("tool", TOOLS_WITH_HELP)
 def test_every_tool_answers_help(env, tmp_path, tool):
     result = run([sys.executable, REPO / tool, "--help"], env, tmp_path, timeout=120)
