@@ -62,7 +62,7 @@ def main():
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
-    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU alike.
+    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
@@ -89,6 +89,7 @@ def main():
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True)
+    read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
         timer = StepTimer(device)
@@ -242,7 +243,7 @@ def load_and_tokenize_dataset(args, tokenizer):
             batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
         chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
                                 batched=True, batch_size=10_000, desc="chunking")
-        # NOTE: written under a temporary name, then renamed: a killed run leaves no partial cache.
+        # NOTE: a temporary name, then renamed (dropped if another run's came first): never a partial cache.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -276,10 +277,10 @@ def get_micro_batches(dataset, args, train_state, device):
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device):
     # NOTE: the order of (seed, epoch), cut at the first sample not yet trained on: resumes are exact.
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
-    num_samples = len(dataset) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
-    remaining = Subset(dataset, sample_order[samples_seen_in_epoch:num_samples])
-    return DataLoader(remaining, batch_size=args.batch_size, num_workers=args.num_workers,
-                      pin_memory=device.type == "cuda")
+    remaining = sample_order[samples_seen_in_epoch:]
+    num_samples = len(remaining) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    return DataLoader(Subset(dataset, remaining[:num_samples]), batch_size=args.batch_size,
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
 
 
 # 3. The optimizer and the learning rate schedule

@@ -1,5 +1,5 @@
-"""Chapter 03: one training script for every launcher (torchrun, Slurm, mpirun, a plain process), as this folder's
-launch files start it on a cluster:
+"""Chapter 03: one script for every launcher (torchrun, Slurm, mpirun, a plain process), as this folder's files
+start it:
 
     sbatch --nodes 2 03-job-launchers/job.sbatch -e my-run          # Slurm, one torchrun per node
     sbatch --nodes 2 03-job-launchers/job-srun.sbatch -e my-run     # Slurm, one task per GPU, no torchrun
@@ -74,7 +74,7 @@ def main():
             config, attn_implementation=attention_implementation(), dtype=torch.float32)
     init_weights(model, args.seed)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-    # NOTE: DDP all-reduces the gradients in buckets, overlapped with backward; in the buckets: no copies in and out.
+    # NOTE: DDP all-reduces the gradients in buckets, overlapped with backward; bucket views: no copies in or out.
     model = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
 
     # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
@@ -87,7 +87,7 @@ def main():
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
-    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU alike.
+    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     if args.zero1:
         # NOTE: ZeRO-1: each rank keeps and updates 1/world_size of the AdamW moments, then broadcasts the weights.
@@ -120,6 +120,7 @@ def main():
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True,
                         disable=rank != 0)
+    read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
         timer = StepTimer(device)
@@ -257,12 +258,12 @@ def get_distributed_environment(rdzv_timeout):
         environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
                            LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
-        launcher = "python (a single process)"
+        launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
     # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
     require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
-            != "True", "torchrun --max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun")
+            != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
     require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
             f"{launcher} without MASTER_ADDR and MASTER_PORT: export them in the job script (see job-srun.sbatch)")
     rank = int(environment["RANK"])
@@ -366,7 +367,7 @@ def load_and_tokenize_dataset(args, tokenizer):
             batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
         chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
                                 batched=True, batch_size=10_000, desc="chunking")
-        # NOTE: written under a temporary name, then renamed: a killed run leaves no partial cache.
+        # NOTE: a temporary name, then renamed (dropped if another run's came first): never a partial cache.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:

@@ -110,7 +110,7 @@ def main():
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
-    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU alike.
+    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     # NOTE: the parameters are this rank's shards, so AdamW's moments are sharded too.
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
@@ -144,6 +144,7 @@ def main():
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True,
                         disable=rank != 0)
+    read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
         timer = FSDPPipelineStage.timer = StepTimer(device)
@@ -221,7 +222,8 @@ def get_parser():
     group.add_argument("--num-workers", type=int, default=1)
     group = parser.add_argument_group("training")
     group.add_argument("--seed", type=int, default=0, help="of the weights and the sample order")
-    group.add_argument("--batch-size", type=int, default=8, help="sequences per micro-step, cut into --pp-microbatches")
+    group.add_argument("--batch-size", type=int, default=8,
+                       help="sequences per dp rank and micro-step, cut into --pp-microbatches")
     group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
@@ -288,12 +290,12 @@ def get_distributed_environment(rdzv_timeout):
         environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
                            LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
-        launcher = "python (a single process)"
+        launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
     # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
     require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
-            != "True", "torchrun --max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun")
+            != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
     require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
             f"{launcher} without MASTER_ADDR and MASTER_PORT: export them in the job script (see job-srun.sbatch)")
     rank = int(environment["RANK"])
@@ -383,7 +385,7 @@ def check_pipeline_layout(args, world_size, config):
             f"--pp-stages-per-rank, not {stages_per_rank}; or use --pp-schedule 1f1b")
     num_stages, num_layers = args.pp * stages_per_rank, config.num_hidden_layers
     require(num_stages <= num_layers, f"{num_stages} pipeline stages (--pp {args.pp} x {stages_per_rank} per rank) "
-            f"for {num_layers} decoder layers; use at most {num_layers}")
+            f"for {num_layers} decoder layers; use at most {num_layers}, or a smaller --pp")
     require(num_stages <= 1 or not config.tie_word_embeddings, "tie_word_embeddings: the first and last stages "
             "cannot share one weight; use one stage or an untied model")
     num_microbatches = args.pp_microbatches or args.batch_size
@@ -391,7 +393,7 @@ def check_pipeline_layout(args, world_size, config):
             f"{num_microbatches} does not divide --batch-size {args.batch_size}; use a divisor of {args.batch_size}")
     # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward.
     require(args.pp_schedule != "1f1b" or num_microbatches >= num_stages, "--pp-schedule 1f1b needs at least one "
-            f"micro-batch per stage, {num_stages}, not --pp-microbatches {num_microbatches}; or use gpipe")
+            f"micro-batch per stage: use --pp-microbatches >= {num_stages}, or gpipe")
     # NOTE: the interleaved schedule runs the micro-batches in equal rounds of up to --pp of them.
     rounds = max(1, num_microbatches // args.pp)
     require(one_stage_per_rank or num_microbatches % rounds == 0, f"--pp-microbatches {num_microbatches} cannot "
@@ -501,7 +503,7 @@ def load_and_tokenize_dataset(args, tokenizer):
             batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
         chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
                                 batched=True, batch_size=10_000, desc="chunking")
-        # NOTE: written under a temporary name, then renamed: a killed run leaves no partial cache.
+        # NOTE: a temporary name, then renamed (dropped if another run's came first): never a partial cache.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -731,7 +733,6 @@ class StepTimer:
         for name, start, end in self.spans:
             totals[f"time_{name}_ms"] += start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
         return totals
-
 
 
 def log_memory_held(model, optimizer):

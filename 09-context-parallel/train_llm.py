@@ -104,7 +104,7 @@ def main():
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
-    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU alike.
+    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     # NOTE: the parameters are this rank's shards, so AdamW's moments are sharded too (with --cpu-offload, on the CPU).
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
@@ -134,6 +134,7 @@ def main():
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True,
                         disable=rank != 0)
+    read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
         timer = StepTimer(device)
@@ -278,12 +279,12 @@ def get_distributed_environment(rdzv_timeout):
         environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
                            LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
-        launcher = "python (a single process)"
+        launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
     # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
     require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
-            != "True", "torchrun --max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun")
+            != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
     require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
             f"{launcher} without MASTER_ADDR and MASTER_PORT: export them in the job script (see job-srun.sbatch)")
     rank = int(environment["RANK"])
@@ -667,7 +668,7 @@ def load_and_tokenize_dataset(args, tokenizer):
             batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
         chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
                                 batched=True, batch_size=10_000, desc="chunking")
-        # NOTE: written under a temporary name, then renamed: a killed run leaves no partial cache.
+        # NOTE: a temporary name, then renamed (dropped if another run's came first): never a partial cache.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -892,7 +893,6 @@ class StepTimer:
         for name, start, end in self.spans:
             totals[f"time_{name}_ms"] += start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
         return totals
-
 
 
 def log_memory_held(model, optimizer):

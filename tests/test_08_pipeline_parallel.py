@@ -356,7 +356,8 @@ def test_a_bad_pp_or_micro_batch_count_gets_a_one_line_error(env, tmp_path, case
 # before anything else uses the layout: (world size, flags, a change to the tiny model's config, the error).
 LAYOUT_ERRORS = {
     "more stages than layers": (1, ["--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "5"], {},
-                                "5 pipeline stages (--pp 1 x 5 per rank) for 4 decoder layers; use at most 4"),
+                                "5 pipeline stages (--pp 1 x 5 per rank) for 4 decoder layers; use at most 4, or a "
+                                "smaller --pp"),
     "several stages for a one-stage schedule": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--pp-stages-per-rank",
                                                     "2"], {},
                                                 "--pp-schedule gpipe runs one stage per rank, not "
@@ -366,8 +367,8 @@ LAYOUT_ERRORS = {
                                                "--pp-schedule interleaved-1f1b needs 2 or more "
                                                "--pp-stages-per-rank, not 1"),
     "fewer micro-batches than stages for 1f1b": (2, ["--pp", "2", "--pp-microbatches", "1"], {},
-                                                 "--pp-schedule 1f1b needs at least one micro-batch per stage, 2, "
-                                                 "not --pp-microbatches 1"),
+                                                 "--pp-schedule 1f1b needs at least one micro-batch per stage: use "
+                                                 "--pp-microbatches >= 2, or gpipe"),
     "interleaved rounds": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5",
                                "--batch-size", "10"], {},
                            "--pp-microbatches 5 cannot make 2 equal rounds of interleaved-1f1b"),
