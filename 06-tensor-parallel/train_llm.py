@@ -351,7 +351,7 @@ def check_tensor_parallel_degree(degree, config, seq_length):
 def parallelize_model(model, tp_mesh):
     """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise."""
     parallelize_module(model, tp_mesh, {
-        # NOTE: whole embeddings: Hugging Face computes the positions and the mask from their length.
+        # NOTE: whole embeddings: Hugging Face computes the positions from their length.
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True),

@@ -374,7 +374,7 @@ def get_device_mesh(device, world_size, tp_degree, dp_replicate):
 def parallelize_model(model, tp_mesh):
     """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise."""
     parallelize_module(model, tp_mesh, {
-        # NOTE: whole embeddings: Hugging Face computes the positions and the mask from their length.
+        # NOTE: whole embeddings: Hugging Face computes the positions from their length.
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True),
