@@ -18,13 +18,16 @@ folder works). The layout flags are the chapters' own:
     --tp T --dp N --fsdp   chapter 07: TP inside a node, FSDP across (--dp-replicate R for hybrid sharding)
     --pp P                 chapter 08: P pipeline stages (1F1B), FSDP inside each with --fsdp
     --cp C                 chapter 09: ring attention over C ranks, FSDP over dp x cp with --fsdp
+    --dp N --fsdp --ep E   chapter 10: a mixture of experts' experts split over E ranks (E/ep whole experts each),
+                           FSDP over the dp/E ranks that hold the same experts, tokens sent by all-to-all; the rest
+                           FSDP over all N ranks as in chapter 04 (--ep 1: FSDP alone, every expert gathered)
 
 Sizes are per GPU, for the rank given by --rank (default 0; with FSDP a rank whose rows do not divide evenly holds
 fewer). The tests (tests/test_estimate_memory.py) compare parameters, gradients and optimizer state, to the byte,
 and the communication per step, within 1%, with what tools/measure_step.py measures in the chapters' scripts on
 CPUs, and the activations with the measured peak of live tensors within 15%. The bf16 activation widths follow
 the op-by-op accounting of chapter 01's README (CUDA's autocast runs attention in bf16; a CPU runs it in fp32), and
-are not measured here. "Bytes sent" is defined in tools/measure_step.py: a ring all-reduce sends 2(N-1)/N of its
+are not measured here; nor are those of a mixture of experts' MLP (activation_model says what it assumes). "Bytes sent" is defined in tools/measure_step.py: a ring all-reduce sends 2(N-1)/N of its
 buffer, an all-gather or reduce-scatter (N-1)/N of the full tensor.
 """
 
@@ -81,6 +84,8 @@ def get_parser():
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06's plan)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (chapter 08, 1F1B schedule)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 09, ring attention)")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert-parallel degree (chapter 10, with --fsdp): each rank holds experts / E experts")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="keep only each decoder layer's input, recompute the rest in backward (chapter 05)")
     parser.add_argument("--cpu-offload", action="store_true",
@@ -145,6 +150,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int | None = None       # None: no expert parallelism (chapter 04's FSDP treats experts as any parameter)
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     batch_size: int = 8
@@ -167,6 +173,11 @@ class Layout:
         on other tokens, like data-parallel ones, so FSDP shards over them too (as torchtitan does)."""
         return self.dp_shard * self.cp
 
+    @property
+    def edp(self):
+        """Chapter 10's expert-data-parallel degree: the ranks that hold the same experts, which FSDP shards them over."""
+        return self.dp // (self.ep or 1)
+
 
 def layout_from_args(args):
     names = Layout.__dataclass_fields__
@@ -182,7 +193,8 @@ class Parameter:
     name: str
     shape: tuple
     layer: int | None           # decoder layer index, None for the embedding, final norm and head
-    role: str                   # "embedding", "head", "norm", "colwise", "rowwise", "rowwise_bias", "replicate"
+    role: str                   # "embedding", "head", "norm", "colwise", "rowwise", "rowwise_bias", "expert",
+                                # "replicate"
 
 
 def model_parameters(config):
@@ -204,6 +216,8 @@ def model_parameters(config):
             role = "embedding"
         elif name.startswith("lm_head."):
             role = "head"
+        elif local_name.startswith("mlp.experts.") and param.ndim == 3:
+            role = "expert"  # NOTE: transformers' 3D experts (Qwen3-MoE, Mixtral): (experts, out, in) each
         elif "norm" in local_name:
             role = "norm"
         elif local_name.startswith(COLUMNWISE):
@@ -236,6 +250,10 @@ class Dimensions:
     vocab: int
     layers: int
     tied: bool
+    experts: int = 0            # a mixture of experts': experts per MoE layer, of which top_k run per token
+    top_k: int = 0
+    moe_intermediate: int = 0   # an expert's MLP width
+    moe_layers: tuple = ()      # the decoder layers with experts
 
     @property
     def q_dim(self):
@@ -246,16 +264,22 @@ class Dimensions:
         return self.kv_heads * self.head_dim
 
 
-def model_dimensions(config):
+def model_dimensions(config, parameters=()):
+    """The sizes the activations and collectives depend on; a mixture of experts' from its experts' 3D parameters."""
     heads = config.num_attention_heads
+    experts = [p for p in parameters if p.role == "expert" and p.name.endswith("down_proj")]
     return Dimensions(
         hidden=config.hidden_size, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         intermediate=config.intermediate_size, vocab=config.vocab_size, layers=config.num_hidden_layers,
-        tied=bool(getattr(config, "tie_word_embeddings", False)))
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        experts=experts[0].shape[0] if experts else 0, top_k=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        moe_intermediate=experts[0].shape[2] if experts else 0, moe_layers=tuple(p.layer for p in experts))
 
 
 def check_layout(parameters, dims, layout):
+    if layout.ep is not None:
+        check_expert_layout(parameters, dims, layout)
     if layout.tp > 1:
         unknown = sorted({p.name for p in parameters if p.role == "replicate"})
         if unknown:
@@ -272,6 +296,31 @@ def check_layout(parameters, dims, layout):
         fail(f"--pp {layout.pp} is more stages than the model's {dims.layers} decoder layers")
 
 
+def check_expert_layout(parameters, dims, layout):
+    """Chapter 10's rules: expert parallelism on chapter 04's FSDP, whole experts per rank, FSDP2's even dim-1 split."""
+    if layout.ep < 1:
+        fail(f"--ep must be at least 1, got {layout.ep}")
+    if not layout.fsdp:
+        fail("--ep is chapter 10's expert parallelism, which shards with FSDP: add --fsdp")
+    if layout.tp * layout.pp * layout.cp * layout.dp_replicate > 1 or layout.split_root_group:
+        fail("--ep combines with --dp and --fsdp only (chapter 10 builds on chapter 04): drop --tp, --pp, --cp, "
+             "--dp-replicate and --split-root-group")
+    if layout.dp % layout.ep:
+        fail(f"--ep {layout.ep} does not divide --dp {layout.dp}: the ranks form dp / ep groups of ep")
+    if not dims.experts:
+        if layout.ep > 1:
+            fail(f"--ep {layout.ep} needs a mixture of experts: this model has no experts stored as 3D tensors "
+                 "(mlp.experts.gate_up_proj, as Qwen3-MoE and Mixtral); use --ep 1 or leave it out")
+        return
+    if dims.experts % layout.ep:
+        fail(f"--ep {layout.ep} does not divide the model's {dims.experts} experts (each rank holds whole experts)")
+    for param in parameters:
+        if param.role == "expert" and param.shape[1] % layout.edp:
+            # NOTE: FSDP2 raises NotImplementedError for an uneven split of any dimension but the first.
+            fail(f"{layout.edp} expert-data-parallel ranks (--dp / --ep) do not divide dim 1 of {param.name}, "
+                 f"{param.shape}: FSDP2 shards the experts on dim 1 and needs it even; choose another --ep")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Where this rank sits
 
@@ -286,6 +335,8 @@ class Coordinates:
     shard: int
     cp: int
     tp: int
+    edp: int = 0                # chapter 10's mesh ("edp", "ep"), ep fastest, over the data-parallel ranks
+    ep: int = 0
 
 
 def rank_coordinates(layout):
@@ -294,7 +345,8 @@ def rank_coordinates(layout):
     rank, cp = divmod(rank, layout.cp)
     rank, shard = divmod(rank, layout.dp_shard)
     pp, replicate = divmod(rank, layout.dp_replicate)
-    return Coordinates(pp=pp, replicate=replicate, shard=shard, cp=cp, tp=tp)
+    edp, ep = divmod(shard, layout.ep) if layout.ep else (0, 0)
+    return Coordinates(pp=pp, replicate=replicate, shard=shard, cp=cp, tp=tp, edp=edp, ep=ep)
 
 
 def stage_layers(dims, layout, stage):
@@ -357,6 +409,22 @@ def fsdp_padded_numel(shape, layout):
     return rows * math.prod(shape[1:])
 
 
+def expert_parallel(param, layout):
+    """Whether chapter 10 shards this parameter as an expert: E/ep whole experts, dim 1 over the edp ranks."""
+    return param.role == "expert" and layout.ep is not None
+
+
+def expert_local_shape(shape, layout, coords):
+    """This rank's experts (dim 0 split over ep, whole experts), FSDP2's Shard(1) of them over the edp ranks."""
+    experts = chunk_length(shape[0], layout.ep, coords.ep)
+    return (experts, chunk_length(shape[1], layout.edp, coords.edp), *shape[2:])
+
+
+def expert_padded_numel(shape, layout):
+    """What FSDP2 all-gathers of this rank's experts over the edp ranks: dim 1 padded to a multiple of them."""
+    return shape[0] // layout.ep * -(-shape[1] // layout.edp) * layout.edp * math.prod(shape[2:])
+
+
 def numel(shape):
     return math.prod(shape)
 
@@ -380,7 +448,7 @@ def zero1_partition(parameters, world_size):
 def estimate_step(config, layout):
     """Everything the tool reports, as one dict of plain numbers (the --json output)."""
     parameters = model_parameters(config)
-    dims = model_dimensions(config)
+    dims = model_dimensions(config, parameters)
     check_layout(parameters, dims, layout)
     coords = rank_coordinates(layout)
     state = model_state(parameters, dims, layout, coords)
@@ -392,11 +460,18 @@ def estimate_step(config, layout):
     return {
         "model": getattr(config, "name_or_path", "") or config.model_type,
         "num_parameters": sum(numel(p.shape) for p in parameters),
+        "num_expert_parameters": sum(numel(p.shape) for p in parameters if p.role == "expert"),
+        # NOTE: what one token computes with: every parameter but the experts it is not routed to.
+        "num_active_parameters": sum(numel(p.shape) * (dims.top_k / dims.experts if p.role == "expert" else 1)
+                                     for p in parameters),
+        "experts": {"per_layer": dims.experts, "top_k": dims.top_k, "moe_layers": len(dims.moe_layers),
+                    "per_rank": dims.experts // (layout.ep or 1)},
         "layout": asdict(layout),
         "world_size": layout.world_size,
         "params_bytes": state["params_bytes"],
         "grads_bytes": state["grads_bytes"],
         "optimizer_bytes": state["optimizer_bytes"],
+        "expert_params_bytes": state["expert_params_bytes"],
         "cpu_bytes": state["cpu_bytes"],
         "activations_bytes": activations["saved_bytes"],
         "gathered_weights_bytes": gathered_weights(groups, layout),
@@ -413,22 +488,25 @@ def estimate_step(config, layout):
 def model_state(parameters, dims, layout, coords):
     """Bytes of this rank's parameters, gradients and AdamW state, all fp32 as in every chapter."""
     owners = zero1_partition(parameters, layout.dp) if layout.zero1 or layout.zero2 else None
-    params = grads = optimizer = 0
+    params = grads = optimizer = experts = 0
     for index, param in enumerate(parameters):
         if not on_this_stage(param, dims, layout, coords.pp):
             continue
         local, grad = tp_local_shape(param, layout, coords)
-        local = fsdp_local_shape(local, layout, coords)
+        local = (expert_local_shape(param.shape, layout, coords) if expert_parallel(param, layout)
+                 else fsdp_local_shape(local, layout, coords))
         # NOTE: FSDP reduce-scatters every gradient into the shape of its parameter's shard.
         grad = local if layout.fsdp else grad
         mine = owners is None or owners[index] == coords.shard
         params += 4 * numel(local)
         grads += 4 * numel(grad) if not layout.zero2 or mine else 0
         optimizer += 8 * numel(local) if mine else 0
+        experts += 4 * numel(local) if param.role == "expert" else 0
     cpu = 0
     if layout.cpu_offload:
         cpu, params, grads, optimizer = params + grads + optimizer, 0, 0, 0
-    return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer, "cpu_bytes": cpu}
+    return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer, "cpu_bytes": cpu,
+            "expert_params_bytes": experts}
 
 
 def byte_widths(layout):
@@ -453,6 +531,12 @@ def activation_model(dims, layout, coords, widths):
     t the tensor-parallel degree; each RMSNorm keeps its input, its normalized value and the tensor the next
     matmuls read (all-gathered, whole, under sequence parallelism); attention keeps q, k, v and its output (the
     output projection reads that same storage); the SwiGLU MLP keeps gate, silu(gate), up and their product.
+
+    A mixture of experts' MLP (dropless top-k, an estimate: neither transformers' loop over the experts nor chapter
+    10's all-to-all is measured here) keeps per token the router's logits and their fp32 softmax (experts wide),
+    and per routed copy (top_k of them) what a SwiGLU expert keeps, gate and up (one tensor), silu(gate) and the
+    product, plus the token's copy the expert reads and its output, which the routing weight multiplies, and the
+    copy's token index (int64) and weight (fp32).
     """
     t, w = layout.tp, widths
     h, q, kv, i = dims.hidden, dims.q_dim, dims.kv_dim, dims.intermediate
@@ -463,16 +547,21 @@ def activation_model(dims, layout, coords, widths):
         norm = (w["residual"] + w["norm"]) * h / t + w["matmul"] * h
     attention = w["attention"] * (2 * q + 2 * kv) / t + 4 * dims.heads / t
     mlp = w["matmul"] * 4 * i / t
+    router = (w["matmul"] + 4) * dims.experts
+    moe_mlp = router + dims.top_k * (w["matmul"] * (2 * h + 4 * dims.moe_intermediate) + 8 + 4)
     small = 2 * 4 / t  # the norms' reciprocal square roots, one fp32 per token each
     per_token_layer = 2 * norm + attention + mlp + small
     tokens = layout.batch_size * layout.seq_length // layout.cp
-    layer_bytes = per_token_layer * tokens
+    dense_layer_bytes = per_token_layer * tokens
+    moe_layer_bytes = (per_token_layer - mlp + moe_mlp) * tokens
     layer_input = w["residual"] * h / t * tokens
     first, last = 0, dims.layers
     if layout.pp > 1:
         layers = stage_layers(dims, layout, coords.pp)
         first, last = layers.start, layers.stop
     num_layers = last - first
+    num_moe_layers = sum(first <= layer < last for layer in dims.moe_layers)
+    layer_bytes = moe_layer_bytes if num_moe_layers else dense_layer_bytes
     is_last_stage = coords.pp == layout.pp - 1
     # NOTE: under TP the embedding's output is whole (Replicate); layer 0 keeps a slice of it, a view that keeps
     # the whole storage alive.
@@ -488,12 +577,13 @@ def activation_model(dims, layout, coords, widths):
     if layout.activation_checkpointing:
         saved_layers = num_layers * layer_input
     else:
-        saved_layers = num_layers * layer_bytes
+        saved_layers = (num_layers - num_moe_layers) * dense_layer_bytes + num_moe_layers * moe_layer_bytes
     saved = (saved_layers + embedding + rotary) * in_flight + final_norm + loss_saved
     return {"saved_bytes": saved, "layer_bytes": layer_bytes, "layer_input_bytes": layer_input,
-            "num_layers": num_layers, "loss_saved_bytes": loss_saved, "loss_backward_bytes": loss_backward,
+            "num_layers": num_layers, "num_moe_layers": num_moe_layers, "loss_saved_bytes": loss_saved, "loss_backward_bytes": loss_backward,
             "final_norm_bytes": final_norm, "in_flight": in_flight,
-            "largest_layer_tensor_bytes": max(w["matmul"] * i / t, w["residual"] * h) * tokens, "tokens": tokens}
+            "largest_layer_tensor_bytes": max(w["matmul"] * i / t, w["residual"] * h) * tokens if not num_moe_layers
+            else w["matmul"] * dims.top_k * max(h, 2 * dims.moe_intermediate) * tokens, "tokens": tokens}
 
 
 @dataclass
@@ -507,6 +597,18 @@ class Group:
     grad_full_bytes: int = 0    # the unsharded gradients in the compute dtype
     reshard_after_forward: bool = True
     params: list = field(default_factory=list)
+    shards: int = 1             # the ranks FSDP shards it over (chapter 10's experts: the edp ranks)
+    parts: list = field(default_factory=list)  # a decoder layer's groups, for layer_units()
+
+    @property
+    def sharded_grad_bytes(self):
+        return sum(4 * g.padded_numel // g.shards for g in self.parts or [self])
+
+    @property
+    def reduce_peak_bytes(self):
+        """The most a post-backward holds: a group's unsharded gradients and the reduce-scatter's fp32 input and
+        output (one group at a time, chapter 10's experts before the rest of their layer)."""
+        return max(g.grad_full_bytes + 4 * g.padded_numel * (1 + 1 / g.shards) for g in self.parts or [self])
 
 
 def fsdp_groups(parameters, dims, layout, coords):
@@ -517,23 +619,30 @@ def fsdp_groups(parameters, dims, layout, coords):
         if not on_this_stage(param, dims, layout, coords.pp):
             continue
         if param.layer is not None:
-            key = f"layer {param.layer}"
+            key = f"layer {param.layer}" + (" experts" if expert_parallel(param, layout) else "")
         elif layout.split_root_group and param.role == "embedding" and not dims.tied:
             key = "embedding"
         elif layout.split_root_group:
             key = "norm and head"
         else:
             key = "root"
-        group = groups.setdefault(key, Group(key, param.layer))
+        expert = expert_parallel(param, layout)
+        group = groups.setdefault(key, Group(key, param.layer, shards=layout.edp if expert else layout.fsdp_shards))
         local, grad = tp_local_shape(param, layout, coords)
+        if expert:
+            # NOTE: this rank's experts, whole: what the edp ranks' all-gather rebuilds.
+            local = grad = (local[0] // layout.ep, *local[1:])
         group.params.append(param)
         group.full_bytes += widths["weights"] * numel(local)
         group.grad_full_bytes += widths["grads"] * numel(grad)
-        group.padded_numel += fsdp_padded_numel(local, layout) if layout.fsdp else numel(local)
+        group.padded_numel += (expert_padded_numel(param.shape, layout) if expert else
+                               fsdp_padded_numel(local, layout) if layout.fsdp else numel(local))
     layers = [g for g in groups.values() if g.layer is not None]
     if layers:
-        last = max(layers, key=lambda g: g.layer)
-        last.reshard_after_forward = False
+        # NOTE: chapter 04 keeps its last layer gathered for backward; chapter 10 that layer's experts too.
+        last = max(g.layer for g in layers)
+        for group in layers:
+            group.reshard_after_forward = group.layer != last
     for name in ("root", "norm and head"):
         if name in groups:
             groups[name].reshard_after_forward = False
@@ -543,6 +652,21 @@ def fsdp_groups(parameters, dims, layout, coords):
     return groups
 
 
+def layer_units(groups):
+    """Each decoder layer's FSDP groups as one, last layer first or not: gathered together for the layer's forward
+    and backward (chapter 10's experts group sits inside its layer's)."""
+    units = {}
+    for group in groups.values():
+        if group.layer is None:
+            continue
+        unit = units.setdefault(group.layer, Group(f"layer {group.layer}", group.layer,
+                                                   reshard_after_forward=group.reshard_after_forward))
+        unit.full_bytes += group.full_bytes
+        unit.grad_full_bytes += group.grad_full_bytes
+        unit.parts.append(group)
+    return [units[layer] for layer in sorted(units)]
+
+
 def gathered_weights(groups, layout):
     """FSDP's whole weights in the compute dtype at a time: the largest layer and the next one, prefetched, and
     the groups kept gathered from forward to backward (chapter 04's root group). Zero without FSDP."""
@@ -550,7 +674,7 @@ def gathered_weights(groups, layout):
         return 0
     if layout.pp > 1:
         return sum(g.full_bytes for g in groups.values())
-    layers = sorted((g.full_bytes for g in groups.values() if g.layer is not None), reverse=True)
+    layers = sorted((unit.full_bytes for unit in layer_units(groups)), reverse=True)
     kept = sum(g.full_bytes for g in groups.values() if g.layer is None and not g.reshard_after_forward)
     return sum(layers[:2]) + kept
 
@@ -571,7 +695,7 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     grads_exist_at_start = layout.dp > 1 and not fsdp and not layout.zero2
     # NOTE: with gradient accumulation the last micro-batch's backward runs with every (sharded) gradient there.
     accumulated = state["grads_bytes"] if layout.grad_accum > 1 and not grads_exist_at_start else 0
-    layer_groups = sorted((g for g in groups.values() if g.layer is not None), key=lambda g: g.layer)
+    layer_groups = layer_units(groups)
     other_groups = [g for g in groups.values() if g.layer is None]
     kept_gathered = sum(g.full_bytes for g in groups.values() if fsdp and not g.reshard_after_forward)
     if fsdp and layout.pp > 1 and "root" in groups:
@@ -582,7 +706,7 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     def sharded_grad(group):
         if not fsdp:
             return group.grad_full_bytes * 4 // widths["grads"]
-        return 4 * group.padded_numel // layout.fsdp_shards
+        return group.sharded_grad_bytes
 
     phases = {}
     saved = activations["saved_bytes"]
@@ -595,6 +719,9 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     own = layer_activations * (1.25 if layout.activation_checkpointing else 1.0)
     flowing = 3 * activations["largest_layer_tensor_bytes"]
     down_grad = widths["grads"] * dims.hidden * dims.intermediate / layout.tp
+    if dims.moe_layers:
+        # NOTE: in a mixture of experts, the first weight gradient is the down projections of this rank's experts.
+        down_grad = widths["grads"] * dims.hidden * dims.moe_intermediate * dims.experts // (layout.ep or 1)
     embedding_group = groups.get("embedding")
     for position, group in enumerate(reversed(layer_groups)):
         below = len(layer_groups) - 1 - position
@@ -614,8 +741,7 @@ def simulate_step(state, activations, groups, dims, layout, widths):
         if fsdp:
             # NOTE: measured on CPUs: the layer's gathered weights are still there while its gradients are copied
             # into the reduce-scatter's buffer.
-            end = (live_below + group.grad_full_bytes + 4 * group.padded_numel * (1 + 1 / layout.fsdp_shards)
-                   + gathered + grads_done)
+            end = live_below + group.reduce_peak_bytes + gathered + grads_done
         else:
             own_grads = 0 if grads_exist_at_start or accumulated else group.grad_full_bytes
             end = live_below + own_grads + grads_done + flowing / 3
@@ -707,8 +833,9 @@ def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes
             gathered = widths["weights"] * group.padded_numel
             # NOTE: with pp > 1 chapter 08 gathers each group once per step and keeps it (reshard_after_backward off).
             gathers = (1 + group.reshard_after_forward) * micro_batches if layout.pp == 1 else 1
-            add("dp (FSDP)", shard_group, "all_gather", gathered, calls=gathers)
-            add("dp (FSDP)", shard_group, "reduce_scatter", 4 * group.padded_numel, calls=micro_batches)
+            name = "edp (experts' FSDP)" if group.name.endswith("experts") else "dp (FSDP)"
+            add(name, group.shards, "all_gather", gathered, calls=gathers)
+            add(name, group.shards, "reduce_scatter", 4 * group.padded_numel, calls=micro_batches)
             add("dp replicas (HSDP)", layout.dp_replicate, "all_reduce", 4 * group.padded_numel // shard_group,
                 calls=micro_batches)
         # NOTE: clip_grad_norm_ all-reduces the stacked partial norms of the parameters, one fp32 number each.
@@ -723,6 +850,12 @@ def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes
             add("dp (DDP)", data_parallel, "broadcast", 4 * local_numel)
     if layout.tp > 1:
         tensor_parallel_collectives(add, dims, layout, coords, parameters, widths, micro_batches)
+    if layout.ep and dims.moe_layers:
+        # NOTE: chapter 10 sends each token's top_k copies to the ranks of their experts and back, in forward and
+        # again (their gradients) in backward: four all_to_all_single per MoE layer and micro-batch, dropless. The
+        # exchange of the split sizes (ep integers) is left out.
+        routed = widths["matmul"] * layout.batch_size * layout.seq_length * dims.top_k * dims.hidden
+        add("ep (all-to-all)", layout.ep, "all_to_all", routed, calls=4 * len(dims.moe_layers) * micro_batches)
     if layout.cp > 1:
         tokens = layout.batch_size * layout.seq_length // layout.cp
         key_value_block = 2 * dims.kv_dim / layout.tp * tokens  # this rank's keys and values, in numbers
@@ -790,6 +923,12 @@ def print_estimate(estimate, bandwidths):
     flags = describe_layout(layout)
     print(f"{estimate['model']}: {estimate['num_parameters'] / 1e9:.3g}B parameters; {flags}; world size "
           f"{estimate['world_size']}; rank {layout['rank']}")
+    experts = estimate["experts"]
+    if experts["per_layer"]:
+        print(f"a mixture of experts: {experts['per_layer']} experts in each of {experts['moe_layers']} layers, "
+              f"{experts['top_k']} per token: {estimate['num_active_parameters'] / 1e9:.3g}B active parameters of "
+              f"{estimate['num_parameters'] / 1e9:.3g}B ({estimate['num_expert_parameters'] / 1e9:.3g}B in experts); "
+              f"{experts['per_rank']} experts per GPU")
     print(f"micro-batch {layout['batch_size']} x {layout['seq_length']} tokens, {layout['dtype']}")
     rows = [("parameters", estimate["params_bytes"]), ("gradients", estimate["grads_bytes"]),
             ("optimizer state (AdamW)", estimate["optimizer_bytes"]),
@@ -800,6 +939,8 @@ def print_estimate(estimate, bandwidths):
             ("peak", estimate["peak_bytes"])]
     if estimate["cpu_bytes"]:
         rows.insert(3, ("in CPU memory (offloaded state)", estimate["cpu_bytes"]))
+    if experts["per_layer"] and not estimate["cpu_bytes"]:
+        rows.insert(1, ("  of which the experts'", estimate["expert_params_bytes"]))
     for name, value in rows:
         print(f"  {name:58s} {format_bytes(value):>12s}")
     print("  (transient: gathered weights, unsharded gradients and the loss's gradients at the step's peak)")
@@ -819,6 +960,8 @@ def describe_layout(layout):
     for name in ("tp", "pp", "cp"):
         if layout[name] > 1:
             parts.append(f"{name.upper()} {layout[name]}")
+    if layout["ep"] is not None:
+        parts.append(f"EP {layout['ep']}")
     for name in ("activation_checkpointing", "cpu_offload", "split_root_group"):
         if layout[name]:
             parts.append(name.replace("_", " "))
