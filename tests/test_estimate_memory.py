@@ -4,7 +4,9 @@ state to the byte, per rank, at world sizes 1, 2 and 4, on the bundled tiny Llam
 hidden size of 130 that FSDP cannot split evenly over 4 ranks), FSDP in bf16 and with gradient accumulation too; the
 bytes DDP, FSDP and tensor parallelism send per step against the textbook formulas and the estimate, within 1%,
 pipeline (08) and ring-attention (09) sends included; the peak of a step's activations and transient buffers within
-15% (bf16's is open: BF16_PEAK_OPEN).
+15% (bf16's is open: BF16_PEAK_OPEN). Chapter 10's expert parallelism (--ep) against FSDP2's and DTensor's own
+sharding of a meta-device Qwen3-MoE under the fake process group: the state per rank to the byte, every FSDP group's
+all-gather, the mesh coordinates; the all-to-all and the experts' FSDP bytes against their formulas; the errors.
 
 Every run trains one step of 2 sequences of 64 tokens, once per module. To check a new chapter, add its layouts to
 CASES: the chapter, the processes, the model, its flags, and the estimator's flags for the same layout.
@@ -228,3 +230,176 @@ def test_tensor_parallel_sends_what_chapter_06_says_per_layer(measured_runs, env
         print(f"tp 2, rank {rank}: all-gathers and reduce-scatters per decoder layer {per_layer:,.0f} bytes; "
               f"8 x (t-1)/t x h x 4 bytes x {TOKENS} tokens = {formula:,.0f}")
         assert per_layer == pytest.approx(formula, rel=0.01)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Chapter 10's expert parallelism (--ep), against FSDP2 and DTensor's own sharding of a meta-device Qwen3-MoE under
+# PyTorch's fake process group (no chapter run: the tiny MoE model and the chapter come with chapter 10). The rule
+# (issue 24): world = edp x ep ranks on a mesh ("edp", "ep"), ep fastest; the experts' 3D tensors Shard(0) over ep,
+# then fully_shard over edp with Shard(1), a group of their own inside their layer's; the rest FSDP-sharded over all
+# ranks as in chapter 04 (a group per decoder layer and the root).
+
+TINY_MOE = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 256, "intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": True, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """data/tiny-qwen3-moe's config, and one with a hidden size of 130, which chapter 04's FSDP splits unevenly."""
+    from transformers import Qwen3MoeConfig
+
+    folders = {}
+    for name, changes in [("tiny-qwen3-moe", {}), ("tiny-qwen3-moe-130", {"hidden_size": 130})]:
+        folders[name] = tmp_path_factory.mktemp(name)
+        Qwen3MoeConfig(**{**TINY_MOE, **changes}).save_pretrained(folders[name])
+    return folders
+
+
+def shard_like_chapter_10(config, rank, dp, ep):
+    """This rank's model, sharded by the rule above on the meta device: {name: local shape}, every FSDP group's
+    {name: (elements its all-gather carries, ranks it spans)} by the estimator's group names, and the rank's
+    (edp, ep) coordinates on the mesh."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=dp)
+    try:
+        mesh = init_device_mesh("cpu", (dp // ep, ep), mesh_dim_names=("edp", "ep"))
+        everyone = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        names = {model: "root"}
+        for index, layer in enumerate(model.model.layers):
+            experts = layer.mlp.experts
+            for name, param in list(experts.named_parameters()):
+                local = torch.empty(param.shape[0] // ep, *param.shape[1:], device="meta")
+                setattr(experts, name, torch.nn.Parameter(DTensor.from_local(
+                    local, mesh["ep"], [Shard(0)], run_check=False, shape=param.shape, stride=param.stride())))
+            fully_shard(experts, mesh=mesh["edp"], shard_placement_fn=lambda _: Shard(1))
+            fully_shard(layer, mesh=everyone)
+            names[experts], names[layer] = f"layer {index} experts", f"layer {index}"
+        fully_shard(model, mesh=everyone)
+        shapes = {name: tuple(param.to_local().shape) for name, param in model.named_parameters()}
+        groups = {}
+        for module, name in names.items():
+            params = module._get_fsdp_state()._fsdp_param_group.fsdp_params
+            groups[name] = (sum(p.padded_sharded_param_size.numel() * p.mesh_info.shard_mesh_size for p in params),
+                            {p.mesh_info.shard_mesh_size for p in params})
+        return shapes, groups, (mesh["edp"].get_local_rank(), mesh["ep"].get_local_rank())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("model, dp, ep", [("tiny-qwen3-moe", 2, 2), ("tiny-qwen3-moe", 4, 2),
+                                           ("tiny-qwen3-moe", 8, 4), ("tiny-qwen3-moe", 4, 1),
+                                           ("tiny-qwen3-moe-130", 4, 2)])
+def test_expert_parallel_state_per_rank_is_what_fully_shard_holds(moe_models, model, dp, ep):
+    config = estimate_memory.load_config(moe_models[model])
+    parameters = estimate_memory.model_parameters(config)
+    dims = estimate_memory.model_dimensions(config, parameters)
+    lines = [f"{model} dp {dp} ep {ep}: rank | parameters | of which experts (bytes, held = estimated)"]
+    for rank in range(dp):
+        shapes, groups, mesh_coordinates = shard_like_chapter_10(config, rank, dp, ep)
+        held = 4 * sum(estimate_memory.numel(shape) for shape in shapes.values())
+        held_experts = 4 * sum(estimate_memory.numel(shape) for name, shape in shapes.items() if ".experts." in name)
+        layout = estimate_memory.Layout(dp=dp, fsdp=True, ep=ep, rank=rank)
+        predicted = estimate_memory.estimate_step(config, layout)
+        # NOTE: FSDP reduce-scatters each gradient into its parameter's shard; AdamW keeps two fp32 moments of it.
+        assert (predicted["params_bytes"], predicted["grads_bytes"], predicted["optimizer_bytes"]) == (
+            held, held, 2 * held), rank
+        assert predicted["expert_params_bytes"] == held_experts, rank
+        coords = estimate_memory.rank_coordinates(layout)
+        assert (coords.edp, coords.ep) == mesh_coordinates, rank
+        estimated_groups = estimate_memory.fsdp_groups(parameters, dims, layout, coords)
+        assert {name: (g.padded_numel, {g.shards}) for name, g in estimated_groups.items()} == groups, rank
+        lines.append(f"{rank} | {held:,} | {held_experts:,}")
+    print("\n".join(lines))
+
+
+def test_the_experts_split_only_where_fsdp2_can_split_them(moe_models):
+    # dp 6, ep 2: 3 expert-data-parallel ranks, which do not divide dim 1 of the experts (512 and 256 rows).
+    import torch.distributed as dist
+
+    config = estimate_memory.load_config(moe_models["tiny-qwen3-moe"])
+    with pytest.raises(NotImplementedError, match="uneven sharding on dim 1"):
+        shard_like_chapter_10(config, 0, 6, 2)
+    assert not dist.is_initialized()
+    with pytest.raises(SystemExit, match=r"^error: 3 expert-data-parallel ranks .* do not divide dim 1"):
+        estimate_memory.estimate_step(config, estimate_memory.Layout(dp=6, fsdp=True, ep=2))
+
+
+@pytest.mark.parametrize("dp, ep, grad_accum, dtype", [(4, 4, 1, "float32"), (8, 2, 2, "bfloat16"),
+                                                       (4, 1, 1, "bfloat16"), (2, 2, 3, "bfloat16")])
+def test_expert_parallel_sends_the_routed_tokens_and_gathers_only_the_local_experts(moe_models, dp, ep, grad_accum,
+                                                                                  dtype):
+    config = estimate_memory.load_config(moe_models["tiny-qwen3-moe"])
+    batch, seq = 3, 64
+    comm = estimate_memory.estimate_step(config, estimate_memory.Layout(
+        dp=dp, fsdp=True, ep=ep, batch_size=batch, seq_length=seq, grad_accum=grad_accum, dtype=dtype))["comm_by_group"]
+    width = 2 if dtype == "bfloat16" else 4
+    hidden, top_k, experts, layers, moe_width = 256, 2, 8, 4, 256
+    # Tokens x top-k x hidden x bytes x 2 directions x 2 passes x (ep - 1) / ep, per MoE layer and micro-batch.
+    all_to_all = batch * seq * grad_accum * top_k * hidden * width * 2 * 2 * (ep - 1) / ep * layers
+    assert comm.get("ep (all-to-all)", {"sent_bytes": 0})["sent_bytes"] == pytest.approx(all_to_all, rel=1e-12)
+    # The experts' FSDP over dp / ep ranks: each micro-batch gathers this rank's experts for forward and again for
+    # backward (the last layer's once: kept, as in chapter 04) and reduce-scatters their fp32 gradients.
+    edp, local = dp // ep, experts // ep * 3 * hidden * moe_width
+    gathered = grad_accum * width * local * (2 * layers - 1) * (edp - 1) / edp
+    reduced = grad_accum * 4 * local * layers * (edp - 1) / edp
+    experts_fsdp = comm.get("edp (experts' FSDP)", {"collectives": {}})["collectives"]
+    assert experts_fsdp.get("all_gather", {"sent_bytes": 0})["sent_bytes"] == pytest.approx(gathered, rel=1e-12)
+    assert experts_fsdp.get("reduce_scatter", {"sent_bytes": 0})["sent_bytes"] == pytest.approx(reduced, rel=1e-12)
+    assert comm["dp (FSDP)"]["group_size"] == dp
+
+
+def test_active_parameters_are_the_non_experts_and_top_k_of_the_experts(moe_models):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = estimate_memory.load_config(moe_models["tiny-qwen3-moe"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    in_experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    estimate = estimate_memory.estimate_step(config, estimate_memory.Layout())
+    assert (estimate["num_parameters"], estimate["num_expert_parameters"]) == (total, in_experts)
+    assert estimate["num_active_parameters"] == total - in_experts + in_experts * 2 // 8
+    # Qwen publishes 30.5B parameters, 3.3B activated, and 235B, 22B activated (the models' cards).
+    for name, published_total, published_active in [("qwen3-30b-a3b", 30.5e9, 3.3e9),
+                                                    ("qwen3-235b-a22b", 235e9, 22e9)]:
+        big = estimate_memory.estimate_step(estimate_memory.load_config(REPO / "data" / "configs" / name),
+                                            estimate_memory.Layout(dp=8, fsdp=True, ep=8, dtype="bfloat16"))
+        print(f"{name}: {big['num_parameters']:,} parameters, {big['num_active_parameters']:,.0f} active")
+        assert big["num_parameters"] == pytest.approx(published_total, rel=0.005)
+        assert big["num_active_parameters"] == pytest.approx(published_active, rel=0.02)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ep", "2", "--dp", "2"], "add --fsdp"),
+    (["--ep", "3", "--dp", "4", "--fsdp"], "--ep 3 does not divide --dp 4"),
+    (["--ep", "2", "--dp", "4", "--fsdp", "--tp", "2"], "--ep combines with --dp and --fsdp only"),
+    (["--ep", "0", "--dp", "4", "--fsdp"], "--ep must be at least 1"),
+    (["--ep", "2", "--dp", "2", "--fsdp", "-m", str(TINY_MODEL)], "--ep 2 needs a mixture of experts"),
+    (["--ep", "16", "--dp", "16", "--fsdp"], "--ep 16 does not divide the model's 8 experts"),
+])
+def test_a_bad_expert_parallel_layout_is_a_one_line_error(moe_models, monkeypatch, flags, message):
+    model = [] if "-m" in flags else ["-m", str(moe_models["tiny-qwen3-moe"])]
+    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", *model, *flags])
+    with pytest.raises(SystemExit) as error:
+        estimate_memory.main()
+    assert str(error.value).startswith("error: ") and message in str(error.value), error.value
+    assert "\n" not in str(error.value)
+
+
+def test_a_dense_model_with_ep_1_is_chapter_04(models):
+    config = estimate_memory.load_config(models["llama"])
+    chapter_04 = estimate_memory.estimate_step(config, estimate_memory.Layout(dp=4, fsdp=True))
+    ep_1 = estimate_memory.estimate_step(config, estimate_memory.Layout(dp=4, fsdp=True, ep=1))
+    assert {**ep_1, "layout": None} == {**chapter_04, "layout": None}
