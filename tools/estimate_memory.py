@@ -134,7 +134,8 @@ def load_config(model_name):
     except (OSError, ValueError) as error:
         first_line = str(error).strip().splitlines()[0]
         fail(f"cannot load a model config from {model_name!r} ({first_line}); pass -m a local folder with "
-             "config.json (data/configs/ has Llama 3.1 8B, 70B and 405B) or a hub name, online")
+             "config.json (data/configs/ has Llama 3.1 8B, 70B and 405B, Qwen3-30B-A3B and 235B-A22B) or a hub "
+             "name, online")
 
 
 @dataclass
