@@ -247,13 +247,18 @@ TINY_MOE = {"vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 4, "num
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
-    """data/tiny-qwen3-moe's config, and one with a hidden size of 130, which chapter 04's FSDP splits unevenly."""
-    from transformers import Qwen3MoeConfig
+    """data/tiny-qwen3-moe's config, one with a hidden size of 130, which chapter 04's FSDP splits unevenly, and a
+    tiny Mixtral (transformers stores its experts the same way)."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
 
     folders = {}
     for name, changes in [("tiny-qwen3-moe", {}), ("tiny-qwen3-moe-130", {"hidden_size": 130})]:
         folders[name] = tmp_path_factory.mktemp(name)
         Qwen3MoeConfig(**{**TINY_MOE, **changes}).save_pretrained(folders[name])
+    folders["tiny-mixtral"] = tmp_path_factory.mktemp("tiny-mixtral")
+    MixtralConfig(vocab_size=4096, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                  tie_word_embeddings=False).save_pretrained(folders["tiny-mixtral"])
     return folders
 
 
@@ -299,7 +304,7 @@ def shard_like_chapter_10(config, rank, dp, ep):
 
 @pytest.mark.parametrize("model, dp, ep", [("tiny-qwen3-moe", 2, 2), ("tiny-qwen3-moe", 4, 2),
                                            ("tiny-qwen3-moe", 8, 4), ("tiny-qwen3-moe", 4, 1),
-                                           ("tiny-qwen3-moe-130", 4, 2)])
+                                           ("tiny-qwen3-moe-130", 4, 2), ("tiny-mixtral", 4, 2)])
 def test_expert_parallel_state_per_rank_is_what_fully_shard_holds(moe_models, model, dp, ep):
     config = estimate_memory.load_config(moe_models[model])
     parameters = estimate_memory.model_parameters(config)

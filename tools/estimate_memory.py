@@ -27,8 +27,9 @@ fewer). The tests (tests/test_estimate_memory.py) compare parameters, gradients 
 and the communication per step, within 1%, with what tools/measure_step.py measures in the chapters' scripts on
 CPUs, and the activations with the measured peak of live tensors within 15%. The bf16 activation widths follow
 the op-by-op accounting of chapter 01's README (CUDA's autocast runs attention in bf16; a CPU runs it in fp32), and
-are not measured here; nor are those of a mixture of experts' MLP (activation_model says what it assumes). "Bytes sent" is defined in tools/measure_step.py: a ring all-reduce sends 2(N-1)/N of its
-buffer, an all-gather or reduce-scatter (N-1)/N of the full tensor.
+are not measured here; nor are a mixture of experts' (activation_model says what it assumes). "Bytes sent" is
+defined in tools/measure_step.py: a ring all-reduce sends 2(N-1)/N of its buffer, an all-gather, reduce-scatter or
+all-to-all (N-1)/N of the full tensor.
 """
 
 import argparse
@@ -176,7 +177,7 @@ class Layout:
 
     @property
     def edp(self):
-        """Chapter 10's expert-data-parallel degree: the ranks that hold the same experts, which FSDP shards them over."""
+        """Chapter 10's expert-data-parallel degree: the ranks that hold the same experts (FSDP shards them over)."""
         return self.dp // (self.ep or 1)
 
 
@@ -274,7 +275,8 @@ def model_dimensions(config, parameters=()):
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
         intermediate=config.intermediate_size, vocab=config.vocab_size, layers=config.num_hidden_layers,
         tied=bool(getattr(config, "tie_word_embeddings", False)),
-        experts=experts[0].shape[0] if experts else 0, top_k=getattr(config, "num_experts_per_tok", 0) if experts else 0,
+        experts=experts[0].shape[0] if experts else 0,
+        top_k=getattr(config, "num_experts_per_tok", 0) if experts else 0,
         moe_intermediate=experts[0].shape[2] if experts else 0, moe_layers=tuple(p.layer for p in experts))
 
 
@@ -581,8 +583,8 @@ def activation_model(dims, layout, coords, widths):
         saved_layers = (num_layers - num_moe_layers) * dense_layer_bytes + num_moe_layers * moe_layer_bytes
     saved = (saved_layers + embedding + rotary) * in_flight + final_norm + loss_saved
     return {"saved_bytes": saved, "layer_bytes": layer_bytes, "layer_input_bytes": layer_input,
-            "num_layers": num_layers, "num_moe_layers": num_moe_layers, "loss_saved_bytes": loss_saved, "loss_backward_bytes": loss_backward,
-            "final_norm_bytes": final_norm, "in_flight": in_flight,
+            "num_layers": num_layers, "num_moe_layers": num_moe_layers, "loss_saved_bytes": loss_saved,
+            "loss_backward_bytes": loss_backward, "final_norm_bytes": final_norm, "in_flight": in_flight,
             "largest_layer_tensor_bytes": max(w["matmul"] * i / t, w["residual"] * h) * tokens if not num_moe_layers
             else w["matmul"] * dims.top_k * max(h, 2 * dims.moe_intermediate) * tokens, "tokens": tokens}
 
@@ -654,8 +656,8 @@ def fsdp_groups(parameters, dims, layout, coords):
 
 
 def layer_units(groups):
-    """Each decoder layer's FSDP groups as one, last layer first or not: gathered together for the layer's forward
-    and backward (chapter 10's experts group sits inside its layer's)."""
+    """Each decoder layer's FSDP groups as one, in layer order: gathered together for the layer's forward and
+    backward (chapter 10's experts group sits inside its layer's)."""
     units = {}
     for group in groups.values():
         if group.layer is None:
