@@ -6,7 +6,8 @@ bytes DDP, FSDP and tensor parallelism send per step against the textbook formul
 pipeline (08) and ring-attention (09) sends included; the peak of a step's activations and transient buffers within
 15% (bf16's is open: BF16_PEAK_OPEN). Chapter 10's expert parallelism (--ep) against FSDP2's and DTensor's own
 sharding of a meta-device Qwen3-MoE under the fake process group: the state per rank to the byte, every FSDP group's
-all-gather, the mesh coordinates; the all-to-all and the experts' FSDP bytes against their formulas; the errors.
+all-gather, the mesh coordinates; the all-to-all and the experts' FSDP bytes against their formulas; the errors;
+the MoE MLP's activations against what transformers' own dropless MoE block saves for backward.
 
 Every run trains one step of 2 sequences of 64 tokens, once per module. To check a new chapter, add its layouts to
 CASES: the chapter, the processes, the model, its flags, and the estimator's flags for the same layout.
@@ -408,3 +409,38 @@ def test_a_dense_model_with_ep_1_is_chapter_04(models):
     chapter_04 = estimate_memory.estimate_step(config, estimate_memory.Layout(dp=4, fsdp=True))
     ep_1 = estimate_memory.estimate_step(config, estimate_memory.Layout(dp=4, fsdp=True, ep=1))
     assert {**ep_1, "layout": None} == {**chapter_04, "layout": None}
+
+
+@pytest.mark.parametrize("dtype, hidden, width, experts, top_k", [
+    ("float32", 256, 256, 8, 2), ("bfloat16", 256, 256, 8, 2), ("float32", 128, 96, 16, 4)])
+def test_the_moe_activations_are_what_a_dropless_top_k_layer_saves(dtype, hidden, width, experts, top_k):
+    # transformers' Qwen3MoeSparseMoeBlock (a loop over the experts hit, dropless): every tensor autograd saves
+    # that is neither a parameter nor the block's input, counted once per storage, against the estimate per token.
+    import torch
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
+                                                  moe_intermediate_size=width)).to(getattr(torch, dtype))
+    for param in block.parameters():
+        torch.nn.init.normal_(param, std=0.02)
+    tokens = torch.randn(2, 512, hidden, dtype=getattr(torch, dtype), requires_grad=True)
+    parameters = {param.untyped_storage().data_ptr() for param in block.parameters()}
+    saved = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters and storage.data_ptr() != tokens.untyped_storage().data_ptr():
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        block(tokens)
+    dims = estimate_memory.Dimensions(hidden=hidden, heads=1, kv_heads=1, head_dim=1, intermediate=1, vocab=1,
+                                      layers=1, tied=False, experts=experts, top_k=top_k, moe_intermediate=width)
+    widths = estimate_memory.byte_widths(estimate_memory.Layout(dtype=dtype, fsdp=True))
+    estimated = estimate_memory.moe_mlp_bytes_per_token(dims, widths) * 2 * 512
+    print(f"{dtype} h {hidden} moe width {width} top {top_k} of {experts}: saved {sum(saved.values()):,} bytes, "
+          f"estimated {estimated:,.0f} (the router's logits, which the auxiliary loss keeps, included)")
+    assert sum(saved.values()) == pytest.approx(estimated, rel=0.02)

@@ -535,11 +535,7 @@ def activation_model(dims, layout, coords, widths):
     matmuls read (all-gathered, whole, under sequence parallelism); attention keeps q, k, v and its output (the
     output projection reads that same storage); the SwiGLU MLP keeps gate, silu(gate), up and their product.
 
-    A mixture of experts' MLP (dropless top-k, an estimate: neither transformers' loop over the experts nor chapter
-    10's all-to-all is measured here) keeps per token the router's logits and their fp32 softmax (experts wide),
-    and per routed copy (top_k of them) what a SwiGLU expert keeps, gate and up (one tensor), silu(gate) and the
-    product, plus the token's copy the expert reads and its output, which the routing weight multiplies, and the
-    copy's token index (int64) and weight (fp32).
+    A mixture of experts' MLP: moe_mlp_bytes_per_token.
     """
     t, w = layout.tp, widths
     h, q, kv, i = dims.hidden, dims.q_dim, dims.kv_dim, dims.intermediate
@@ -550,8 +546,7 @@ def activation_model(dims, layout, coords, widths):
         norm = (w["residual"] + w["norm"]) * h / t + w["matmul"] * h
     attention = w["attention"] * (2 * q + 2 * kv) / t + 4 * dims.heads / t
     mlp = w["matmul"] * 4 * i / t
-    router = (w["matmul"] + 4) * dims.experts
-    moe_mlp = router + dims.top_k * (w["matmul"] * (2 * h + 4 * dims.moe_intermediate) + 8 + 4)
+    moe_mlp = moe_mlp_bytes_per_token(dims, w)
     small = 2 * 4 / t  # the norms' reciprocal square roots, one fp32 per token each
     per_token_layer = 2 * norm + attention + mlp + small
     tokens = layout.batch_size * layout.seq_length // layout.cp
@@ -587,6 +582,20 @@ def activation_model(dims, layout, coords, widths):
             "loss_backward_bytes": loss_backward, "final_norm_bytes": final_norm, "in_flight": in_flight,
             "largest_layer_tensor_bytes": max(w["matmul"] * i / t, w["residual"] * h) * tokens if not num_moe_layers
             else w["matmul"] * dims.top_k * max(h, 2 * dims.moe_intermediate) * tokens, "tokens": tokens}
+
+
+def moe_mlp_bytes_per_token(dims, widths):
+    """What a dropless top-k mixture of experts' MLP keeps for backward, per token: the router's logits and their
+    fp32 softmax (experts wide), and per routed copy (top_k of them) the token's copy the expert reads, gate and up
+    (one tensor), silu(gate), their product, the expert's output (which the routing weight multiplies), the weighted
+    output (the scatter-add back into the token keeps it), the copy's weight and three int64 indices.
+
+    NOTE: an estimate for chapter 10's all-to-all path, which is not measured here; the tests hold it to what
+    transformers' own loop over the experts (Qwen3MoeSparseMoeBlock) saves.
+    """
+    w = widths["matmul"]
+    router = (w + 4) * dims.experts
+    return router + dims.top_k * (w * (3 * dims.hidden + 4 * dims.moe_intermediate + 1) + 3 * 8)
 
 
 @dataclass
