@@ -27,9 +27,9 @@ fewer). The tests (tests/test_estimate_memory.py) compare parameters, gradients 
 and the communication per step, within 1%, with what tools/measure_step.py measures in the chapters' scripts on
 CPUs, and the activations with the measured peak of live tensors within 15%. The bf16 activation widths follow
 the op-by-op accounting of chapter 01's README (CUDA's autocast runs attention in bf16; a CPU runs it in fp32), and
-are not measured here; nor are a mixture of experts' (activation_model says what it assumes). "Bytes sent" is
-defined in tools/measure_step.py: a ring all-reduce sends 2(N-1)/N of its buffer, an all-gather, reduce-scatter or
-all-to-all (N-1)/N of the full tensor.
+are not measured here. A mixture of experts' MLP (moe_mlp_bytes_per_token) is held to what transformers' own MoE
+block saves, not yet to chapter 10. "Bytes sent" is defined in tools/measure_step.py: a ring all-reduce sends
+2(N-1)/N of its buffer, an all-gather, reduce-scatter or all-to-all (N-1)/N of the full tensor.
 """
 
 import argparse
