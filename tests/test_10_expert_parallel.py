@@ -11,6 +11,7 @@ run and it explains every definition the diff from chapter 04 adds or changes.
 import json
 import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,11 +74,12 @@ def test_expert_parallelism_reproduces_chapter_01_losses(env, runs, case):
         f"__{rank}_0.distcp" for rank in range(nproc)]
 
 
-def first_batch_router_logits(monkeypatch, tmp_path):
+def first_batch_router_logits(monkeypatch, env):
     """Chapter 01's model, weights and first global batch: its loss, aux loss and each layer's router logits."""
     import datasets
 
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
+    # NOTE: the session's tokenized data, which the runs made already.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(Path(env["HF_HOME"]) / "datasets"))
     chapter = load_script("01")
     args = chapter.get_parser().parse_args(["-m", str(MOE_MODEL), "--seq-length", str(SEQ_LENGTH), "--batch-size",
                                             str(GLOBAL_BATCH), "--num-workers", "0"])
@@ -93,17 +95,17 @@ def first_batch_router_logits(monkeypatch, tmp_path):
     return output, model.config
 
 
-def test_the_load_balancing_loss_is_the_global_batchs_not_a_mean_of_per_rank_losses(env, runs, monkeypatch, tmp_path):
+def test_the_load_balancing_loss_is_the_global_batchs_not_a_mean_of_per_rank_losses(env, runs, monkeypatch):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-    output, config = first_batch_router_logits(monkeypatch, tmp_path)
+    _, experiment = layout_run(runs, env, "ep2")
+    output, config = first_batch_router_logits(monkeypatch, env)
     aux = lambda logits: load_balancing_loss_func(logits, config.num_experts, config.num_experts_per_tok).item()
     global_aux = aux(output.router_logits)
     # Rank r of 2 holds sequences r and r + 2 of the global batch (DistributedSampler's deal).
     per_rank = [aux(tuple(layer.view(GLOBAL_BATCH, SEQ_LENGTH, -1)[rank::2].flatten(0, 1)
                           for layer in output.router_logits)) for rank in (0, 1)]
     per_rank_mean = sum(per_rank) / 2
-    _, experiment = layout_run(runs, env, "ep2")
     logged = read_metrics(experiment)[0]["aux_loss"]
     print(f"\nload-balancing loss of step 1 (4 x {SEQ_LENGTH} tokens, 4 layers, 8 experts, top-2): global batch "
           f"{global_aux:.6f}, mean of the 2 ranks' own {per_rank_mean:.6f} (rank 0 {per_rank[0]:.6f}, rank 1 "
@@ -115,8 +117,14 @@ def test_the_load_balancing_loss_is_the_global_batchs_not_a_mean_of_per_rank_los
 
 
 def interrupted_run(runs, env):
-    """ep 2, stopped after step 3 with its checkpoint."""
-    return layout_run(runs, env, "ep2", "--exit-after-steps", str(HALF))
+    """ep 2, stopped after step 3 with its checkpoint; tools/measure_step.py counts what it sends."""
+    nproc, flags = LAYOUTS["ep2"]
+    return runs.train("10", env, *COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // nproc), "--exit-after-steps",
+                      str(HALF), nproc=nproc, launcher=[*torchrun(nproc), MEASURE, "--out", measured_dir(runs)])
+
+
+def measured_dir(runs):
+    return runs.workdir / "measured-ep2"
 
 
 def resumed(runs, env, experiment, nproc, *flags):
@@ -175,14 +183,12 @@ def test_a_mixtral_trains_at_ep_2_as_in_chapter_01(env, tmp_path, tiny_mixtral):
     assert grad_norm_difference(reference, experiment, clipped=True) <= GRAD_NORM_TOLERANCE
 
 
-def test_the_all_to_all_bytes_equal_the_theory(env, tmp_path):
-    out_dir = tmp_path / "measured"
-    steps, ep, batch_per_rank = 2, 2, 2
-    train("10", env, tmp_path, "--ep", str(ep), "--max-steps", str(steps), "--seq-length", str(SEQ_LENGTH),
-          "--batch-size", str(batch_per_rank), "--log-freq", str(steps), "--wandb-mode", "disabled",
-          launcher=[*torchrun(ep), MEASURE, "--out", out_dir], timeout=300)
+def test_the_all_to_all_bytes_equal_the_theory(env, runs):
+    # The first 3 steps at ep 2, 2 sequences of 64 tokens per rank, fp32, measured from outside the script.
+    interrupted_run(runs, env)
+    steps, ep, batch_per_rank = HALF, 2, GLOBAL_BATCH // 2
     config = AutoConfig.from_pretrained(MOE_MODEL)
-    measurements = [json.loads((out_dir / f"rank-{rank}.json").read_text()) for rank in range(ep)]
+    measurements = [json.loads((measured_dir(runs) / f"rank-{rank}.json").read_text()) for rank in range(ep)]
     # Per MoE layer and rank: tokens x top-k rows of hidden fp32 values, sent out and back (2 directions), forward and
     # backward (2 passes); (ep - 1) / ep of them leave the rank when the routing is even.
     tokens = batch_per_rank * SEQ_LENGTH
@@ -239,11 +245,12 @@ def test_the_readme_cpu_commands_train(env, tmp_path):
                 and f"{CHAPTERS['10']}/train_llm.py" in line]
     cpu_commands = [command for command in commands if "-m" not in command]
     assert cpu_commands, "the README shows no CPU command"
-    # Each as written, from a scratch folder of its own (they share an experiment name) and shortened to 2 steps.
+    # Each as written, from a scratch folder of its own (they share an experiment name), shortened to 2 steps of 64
+    # tokens.
     for number, command in enumerate(cpu_commands):
         at = command.index(f"{CHAPTERS['10']}/train_llm.py")
         (tmp_path / str(number)).mkdir()
-        result = run([*command[:at], script("10"), *command[at + 1:], "--max-steps", "2"], env,
+        result = run([*command[:at], script("10"), *command[at + 1:], "--max-steps", "2", "--seq-length", "64"], env,
                      tmp_path / str(number), timeout=600)
         assert [record["step"] for record in read_metrics(tmp_path / str(number) / "outputs" / "quickstart")] == [2]
         assert f"rank {int(command[3]) - 1} of {command[3]}" in result.stdout and "done: step 2 of 2" in result.stdout
