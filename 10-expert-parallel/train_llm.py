@@ -90,7 +90,7 @@ def main():
     init_weights(model, args.seed)
     reset_rotary_embeddings(model, device)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-    load_balancing = LoadBalancingLoss(model, world_size)
+    load_balancing = LoadBalancingLoss(model)
 
     # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
     with rank_zero_first():
@@ -231,7 +231,7 @@ def get_parser():
                        help="default: online if logged in to wandb, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
     group = parser.add_argument_group("parallelism")
-    group.add_argument("--ep", type=int, default=1, help="expert-parallel degree: ranks that split each layer's experts")
+    group.add_argument("--ep", type=int, default=1, help="expert-parallel degree: ranks that split the experts")
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
@@ -428,7 +428,8 @@ def get_device_mesh(device, world_size, ep_degree, config):
 
 def experts_implementation(ep_mesh):
     # NOTE: registered with transformers like the attention: every MoE layer's experts module calls it.
-    ExpertsInterface.register("expert_parallel", functools.partial(expert_parallel_experts, ep_group=ep_mesh.get_group()))
+    ExpertsInterface.register("expert_parallel",
+                              functools.partial(expert_parallel_experts, ep_group=ep_mesh.get_group()))
     return "expert_parallel"
 
 
@@ -468,7 +469,7 @@ class LoadBalancingLoss:
     probability; f counts every rank's tokens, P this rank's: the mean over ranks of their losses is the global
     batch's, and so is the mean of their gradients (f has none)."""
 
-    def __init__(self, model, world_size):
+    def __init__(self, model):
         self.routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
         self.coefficient = model.config.router_aux_loss_coef if self.routers and model.config.output_router_logits \
             else 0.0
@@ -689,7 +690,8 @@ def get_flops_per_token(model, config, seq_length):
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     # NOTE: a token runs top_k of each layer's experts: the other experts' parameters do no work for it.
     for experts in [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
-        num_params -= sum(p.numel() for p in experts.parameters()) * (1 - config.num_experts_per_tok / experts.num_experts)
+        idle_share = 1 - config.num_experts_per_tok / experts.num_experts
+        num_params -= sum(p.numel() for p in experts.parameters()) * idle_share
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 

@@ -265,3 +265,15 @@ def test_the_readme_explains_every_definition_the_diff_adds_or_changes():
                           if name.isidentifier() and name not in ("__doc__", "imports"))
     missing = [name for name in names if f"`{name}" not in text]
     assert not missing, f"the README does not name {missing}"
+
+
+def test_mfu_counts_the_active_parameters_only():
+    # Per token, 2 of each layer's 8 experts compute: 6 FLOPs per active matmul weight (chapter 01's formula).
+    config = AutoConfig.from_pretrained(MOE_MODEL)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".mlp.experts." in name)
+    assert experts == 4 * 8 * 3 * 256 * 256
+    others = sum(p.numel() for p in model.parameters()) - experts - model.get_input_embeddings().weight.numel()
+    flops = load_script("10").get_flops_per_token(model, config, SEQ_LENGTH)
+    assert flops == 6 * (others + experts * 2 / 8) + 12 * 4 * 8 * 32 * SEQ_LENGTH
