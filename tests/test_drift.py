@@ -133,6 +133,23 @@ LINEAGE = {
         "AllToAll": "its autograd function",
         "get_model_inputs": "each rank's share of the sequences, positions and labels cut before the split",
     },
+    ("04", "10"): {
+        "main": "an (edp, ep) device mesh, the experts' forward registered with transformers, the load-balancing loss "
+                "of the global batch added to the loss (and logged with the expert load), and the gradient norm over "
+                "both meshes",
+        "get_parser": "the --ep option, and the tiny mixture-of-experts model as the default",
+        "parse_args": "--ep must be at least 1 too",
+        "shard_model": "each MoE layer's experts split over ep and FSDP-sharded over edp, in a group of their own",
+        "shard_experts": "the experts' sharding and gradient reduction",
+        "# 1b. Expert parallelism": "the section of expert parallelism",
+        "get_device_mesh": "the (edp, ep) mesh, and a degree that cannot split the experts gets a one-line error",
+        "experts_implementation": "the expert-parallel forward registered with transformers",
+        "expert_parallel_experts": "the dispatch, the local experts and the combine",
+        "LoadBalancingLoss": "the load-balancing loss of the global batch, and the expert load",
+        "clip_grad_norm": "the gradient norm over the experts' mesh and the rest's",
+        "get_flops_per_token": "MFU counts the active parameters: top-k of each layer's experts",
+        "log_metrics": "the log line shows the auxiliary loss and the expert load",
+    },
 }
 for allowed in LINEAGE.values():
     allowed.update({"__doc__": "the chapter's own summary and commands", "imports": "what the chapter's code uses"})

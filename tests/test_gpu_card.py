@@ -82,9 +82,9 @@ def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
         assert record["mfu"] is None and record["syncs"]["per_step"] is None
         assert len(record["losses"]) == card["settings"]["steps"] // card["settings"]["log_freq"]
         assert (out_dir / record["log"]).exists()
-        # NOTE: at world size 1 chapters 08 and 09 run no pipeline and no ring: their rows say so.
-        options = "(parallelism not exercised on 1 GPU)" if chapter in ("08-pipeline-parallel", "09-context-parallel") \
-            else ""
+        # NOTE: at world size 1 chapters 08, 09 and 10 run no pipeline, no ring and no all-to-all: their rows say so.
+        options = "(parallelism not exercised on 1 GPU)" if chapter in (
+            "08-pipeline-parallel", "09-context-parallel", "10-expert-parallel") else ""
         row = next(line for line in markdown.splitlines() if line.startswith(f"| {chapter} | {options} |"))
         assert f"| {record['tokens_per_second']:,.0f} | n/a | {record['fraction_of_ceiling']:.1%} |" in row
         if chapter == "01-single-gpu":

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import REPO, TINY_MODEL, FakeFlashAttention, load_script, torchrun, train
+from helpers import CHAPTERS, REPO, TINY_MODEL, FakeFlashAttention, load_script, script, torchrun, train
 
 sys.path.insert(0, str(REPO / "tools"))
 from measure_step import make_dispatch_mode, read_measurements, StepMeter  # noqa: E402
@@ -38,10 +38,27 @@ CASES = {
     "07 tp2 dp1": ("07", 2, ["--tp", "2"]),
     "08 pp2 4 micro-batches": ("08", 2, ["--pp", "2", "--batch-size", "4", "--pp-microbatches", "4"]),
     "09 cp2 ring": ("09", 2, ["--cp", "2", "--cp-attention", "ring"]),
+    "10 ep2": ("10", 2, ["--ep", "2"]),
 }
 # NOTE: the deliberate fp32 inputs of a matmul under --dtype bfloat16, with their reason: SDPA's backward takes the
 # forward's log-sum-exp, which FlashAttention keeps in fp32 (its last input), as every fused attention kernel does.
 FP32_INPUTS_ALLOWED = {"aten::_scaled_dot_product_flash_attention_for_cpu_backward": [-1]}
+
+
+def host_syncs_allowed(name):
+    """{"OPERATOR at FILE:LINE": calls per step} of the deliberate host synchronizations of a case, with their reason.
+
+    Chapter 10's all-to-all of tokens has uneven split sizes, which NCCL takes as host integers: each MoE layer's
+    forward reads them from the device once (torchtitan's expert parallelism does too; the backward reuses them).
+    One per MoE layer per micro-batch (every layer of the tiny model, one micro-batch), at that one line.
+    """
+    if not name.startswith("10 "):
+        return {}
+    lines = script("10").read_text().splitlines()
+    at = [number for number, line in enumerate(lines, 1) if line.rstrip().endswith(".long().tolist()")]
+    assert len(at) == 1, at
+    moe_layers = AutoConfig.from_pretrained(REPO / "data" / "tiny-qwen3-moe").num_hidden_layers
+    return {f"Tensor.tolist at {CHAPTERS['10']}/train_llm.py:{at[0]}": moe_layers}
 
 
 def not_bf16(key):
@@ -71,7 +88,9 @@ def test_no_host_sync_and_only_bf16_matmuls_in_a_step(env, workdir, name):
         syncs = {step["step"]: step["host_syncs"] for step in steps[1:]}
         print(f"\n{name} rank {rank}: host syncs per step {[sum(s.values()) for s in syncs.values()]} (steps 2-5), "
               f"step 1 {steps[0]['host_syncs']}, between steps {measurement['host_syncs_between_steps']}")
-        assert all(not s for s in syncs.values()), f"{name} rank {rank}: host syncs in steps 2-{STEPS}: {syncs}"
+        allowed = host_syncs_allowed(name)
+        assert all(s == allowed for s in syncs.values()), (f"{name} rank {rank}: host syncs in steps 2-{STEPS}: "
+                                                           f"{syncs}, allowed {allowed}")
         for step in steps:
             other = {key: calls for key, calls in step["matmuls"].items() if not_bf16(key)}
             assert step["matmuls"] and not other, f"{name} rank {rank} step {step['step']}: {other}"

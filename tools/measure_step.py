@@ -30,9 +30,9 @@ Everything after the script's path goes to the script. Each rank writes OUT/rank
   device, and Tensor.tolist (which dispatches no operator: it is patched). FILE:LINE is the first Python frame
   outside torch (and this tool): where the chapter or transformers asked for the value. Syncs between steps (the
   logged loss) are in "host_syncs_between_steps".
-* "matmuls": per step, {"OPERATOR(input dtypes)": calls} for every mm, bmm, addmm, baddbmm, addbmm, linear and
-  scaled-dot-product-attention operator (forward and backward, every aten variant), with the dtypes of its tensor
-  inputs: what precision each matrix multiplication runs in.
+* "matmuls": per step, {"OPERATOR(input dtypes)": calls} for every mm, bmm, addmm, baddbmm, addbmm, linear,
+  grouped mm (the experts of chapter 10) and scaled-dot-product-attention operator (forward and backward, every
+  aten variant), with the dtypes of its tensor inputs: what precision each matrix multiplication runs in.
 
 How it works: a TorchDispatchMode sees every operator, including the c10d collectives that DDP's C++ reducer and
 FSDP issue and the functional collectives DTensor issues; a global optimizer hook marks the end of each step.
@@ -46,7 +46,8 @@ link bandwidth B is about bytes sent / B:
     reduce-scatter   (N-1)/N x S       S: the full input (each rank's output is S/N)
     broadcast        (N-1)/N x S       averaged over the ranks: in a chain every rank but the last forwards S
     reduce           (N-1)/N x S       the same, the other way
-    all-to-all       (N-1)/N x S       each rank keeps 1/N of its own buffer
+    all-to-all       (N-1)/N x S       each rank keeps 1/N of its own buffer; with uneven split sizes (chapter
+                                       10's tokens), S minus the chunk this rank sends to itself, exactly
     send             S                 (recv: 0 sent)
 """
 
@@ -225,14 +226,14 @@ class StepMeter:
 
     # Collectives
 
-    def on_collective(self, kind, buffer_bytes, group_size, group_ranks, op_name=""):
+    def on_collective(self, kind, buffer_bytes, group_size, group_ranks, op_name="", sent_bytes=None):
         key = f"{kind} over {group_size} ranks [{','.join(map(str, group_ranks))}]"
         if self.log_calls and self.current is not None:
             self.current.setdefault("calls", []).append([op_name, key, buffer_bytes])
         counts = self.current["collectives"][key] if self.current is not None else self.between_steps[key]
         counts["calls"] += 1
         counts["buffer_bytes"] += buffer_bytes
-        counts["sent_bytes"] += bytes_sent(kind, buffer_bytes, group_size)
+        counts["sent_bytes"] += bytes_sent(kind, buffer_bytes, group_size) if sent_bytes is None else sent_bytes
 
     # Host synchronizations and matmul precision
 
@@ -416,7 +417,7 @@ def make_dispatch_mode(meter):
                 buffer_bytes = sum(t.numel() * t.element_size() for t in tree_leaves(buffers) if torch.is_tensor(t))
                 group = process_group(arguments)
                 meter.on_collective(kind, buffer_bytes, group.size(), dist.get_process_group_ranks(group),
-                                    func._schema.name)
+                                    func._schema.name, uneven_all_to_all_sent_bytes(arguments, measured, group))
             for tensor in tree_leaves(output):
                 if type(tensor) is torch.Tensor and tensor.device.type != "meta":
                     meter.on_new_storage(tensor.untyped_storage())
@@ -426,7 +427,7 @@ def make_dispatch_mode(meter):
 
 
 MATMULS = {"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::linear",
-           "aten::_addmm_activation", "aten::matmul"}
+           "aten::_addmm_activation", "aten::matmul", "aten::_grouped_mm", "aten::grouped_mm"}
 # NOTE: operators whose output shape, or result, is a value the host must read from the device first.
 HOST_SYNCS = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::equal", "aten::nonzero", "aten::masked_select",
               "aten::unique_dim", "aten::_unique", "aten::_unique2", "aten::unique_consecutive",
@@ -446,6 +447,17 @@ def is_host_sync(func, args, kwargs):
         return (torch.is_tensor(source) and source.device.type not in ("cpu", "meta") and target is not None
                 and torch.device(target).type == "cpu")
     return name in HOST_SYNCS
+
+
+def uneven_all_to_all_sent_bytes(arguments, measured, group):
+    """What an all_to_all_single with split sizes sends: its input less the rows it sends to itself (None: other
+    collectives, and even splits, which bytes_sent() counts)."""
+    input_splits = arguments.get("input_split_sizes")
+    if measured != "input" or not input_splits or "input" not in arguments:
+        return None
+    tensor = arguments["input"]
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+    return (tensor.shape[0] - input_splits[group.rank()]) * row_bytes
 
 
 def python_location():

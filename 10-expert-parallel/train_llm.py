@@ -1,0 +1,781 @@
+"""Chapter 10: expert parallelism for mixture-of-experts models, on chapter 04's FSDP.
+Each rank holds experts / ep whole experts of every MoE layer; the tokens routed to an expert are sent to its rank
+with an all-to-all and its outputs come back with another. The rest of the model is FSDP-sharded as in chapter 04.
+
+    torchrun --standalone --nproc-per-node 2 10-expert-parallel/train_llm.py --ep 2    # no GPU: 2 CPU processes
+    torchrun --standalone --nproc-per-node 8 10-expert-parallel/train_llm.py --ep 8 \\
+        -m Qwen/Qwen3-30B-A3B -d tatsu-lab/alpaca -e qwen3-30b-a3b-ep8    # one node of 8 GPUs
+"""
+
+import argparse
+import collections
+import contextlib
+import datetime
+import functools
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import socket
+import sys
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.distributed._functional_collectives as funcol
+import wandb
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from tqdm import tqdm
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.integrations.moe import ExpertsInterface
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOGGER = logging.getLogger("train_llm")
+
+
+# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
+@record
+def main():
+    args = parse_args()
+    launcher, rank, local_rank, world_size = get_distributed_environment(args.rdzv_timeout)
+    setup_logging(rank)
+    LOGGER.info(f"arguments: {vars(args)}")
+    LOGGER.info(f"started by {launcher} on {socket.gethostname()}, rendezvous at {os.environ['MASTER_ADDR']}:"
+                f"{os.environ['MASTER_PORT']}")
+    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    device = get_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # NOTE: with --cpu-offload, clip_grad_norm_ all-reduces norms of CPU gradients: a gloo backend for CPU tensors.
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device,
+                                timeout=timeout)
+    else:
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    auto_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto_dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
+    experiment_dir = Path(args.save_dir) / args.experiment_name
+    experiment_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. The model: built from its config (untrained), every parameter initialized from the seed.
+    with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
+        config = AutoConfig.from_pretrained(args.model_name)
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name)
+    require(args.seq_length <= config.max_position_embeddings,
+            f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
+    require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
+    mesh = get_device_mesh(device, world_size, args.ep, config)
+    LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
+    # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
+    # to_empty() allocates only this rank's shards, and init_weights() fills them.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(),
+                                                 experts_implementation=experts_implementation(mesh["ep"]),
+                                                 dtype=torch.float32)
+    shard_model(model, mesh, dtype, args.cpu_offload)
+    model.to_empty(device="cpu" if args.cpu_offload else device)
+    init_weights(model, args.seed)
+    reset_rotary_embeddings(model, device)
+    LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    load_balancing = LoadBalancingLoss(model)
+
+    # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
+    with rank_zero_first():
+        dataset = load_and_tokenize_dataset(args, tokenizer)
+    samples_per_step = args.batch_size * args.grad_accum * world_size
+    steps_per_epoch = len(dataset) // samples_per_step
+    require(steps_per_epoch > 0, f"{len(dataset)} sequences are fewer than one step's {samples_per_step}; use more "
+            "data or a smaller --batch-size, --grad-accum or --seq-length")
+    LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # 3. The optimizer and the learning rate schedule.
+    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
+    adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
+    # NOTE: the parameters are this rank's shards, so AdamW's moments are sharded too (with --cpu-offload, on the CPU).
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
+    max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
+
+    # 4. Resume from the experiment's latest checkpoint, if it has one.
+    train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
+    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
+    if checkpoint_dir is not None:
+        train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
+        LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
+
+    # 5. Experiment tracking: wandb and metrics.jsonl, on rank 0.
+    if rank == 0:
+        wandb.init(project=args.wandb_project, name=args.experiment_name, id=get_wandb_run_id(experiment_dir),
+                   resume="allow", dir=experiment_dir, mode=get_wandb_mode(args.wandb_mode), config=vars(args))
+        metrics_file = open(experiment_dir / "metrics.jsonl", "a")
+    flops_per_token = get_flops_per_token(model, config, args.seq_length)
+    peak_flops = get_peak_flops(device, dtype)
+
+    # 6. The training loop.
+    model.train()
+    micro_batches = get_micro_batches(dataset, args, train_state, device, rank, world_size)
+    first_step = train_state["step"] + 1
+    last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
+    progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True,
+                        disable=rank != 0)
+    read_and_reset_memory_stats(device)
+    tokens_since_log, time_of_last_log = 0, time.perf_counter()
+    for step in range(first_step, last_step + 1):
+        timer = StepTimer(device)
+        step_loss, step_aux_loss = torch.zeros((), device=device), torch.zeros((), device=device)
+        for _ in range(args.grad_accum):
+            with timer("data"):
+                input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
+            # NOTE: no autocast: FSDP casts the gathered weights to bf16. No no_sync(): it would keep whole gradients
+            # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
+            with timer("forward"):
+                # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
+                # NOTE: output_router_logits=False: transformers would add each rank's own load-balancing loss.
+                loss = model(input_ids=input_ids, labels=input_ids, use_cache=False, output_router_logits=False).loss
+                aux_loss = load_balancing.loss()
+                loss = (loss + load_balancing.coefficient * aux_loss) / args.grad_accum
+            with timer("backward"):
+                loss.backward()
+            # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
+            step_loss += loss.detach()
+            step_aux_loss += aux_loss.detach() / args.grad_accum
+        with timer("update"):
+            grad_norm = clip_grad_norm(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            if step == first_step:
+                log_memory_held(model, optimizer)
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        train_state["step"] = step
+        train_state["samples_seen_in_epoch"] += samples_per_step
+        tokens_since_log += samples_per_step * args.seq_length
+        progress_bar.update()
+
+        if step % args.log_freq == 0 or step == last_step:
+            # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG).
+            dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+            step_loss /= world_size
+            dist.all_reduce(step_aux_loss, op=dist.ReduceOp.SUM)
+            step_aux_loss /= world_size
+            # NOTE: .item() waits for the device: the only synchronization, and the clock then times the GPU.
+            loss_value = step_loss.item()
+            tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
+            tokens_since_log, time_of_last_log = 0, time.perf_counter()
+            record = {
+                "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm.item(), "aux_loss": step_aux_loss.item(), **load_balancing.read_load(),
+                "tokens_per_second": tokens_per_second,
+                "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
+                **read_and_reset_memory_stats(device), **timer.read_ms()}
+            if rank == 0:
+                log_metrics(metrics_file, record)
+        if step % args.ckpt_freq == 0 or step == last_step:
+            save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank)
+
+    progress_bar.close()
+    if rank == 0:
+        metrics_file.close()
+        wandb.finish()
+    LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
+    dist.destroy_process_group()
+
+
+# Arguments and logging
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(description="Train a Llama-style language model on one GPU, or on the CPU.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    group = parser.add_argument_group("model and data")
+    group.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-qwen3-moe"),
+                       help="hub name, or folder with config.json and the tokenizer")
+    group.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
+                       help="hub name, or a folder or file (.jsonl .json .csv .txt .parquet)")
+    group.add_argument("--dataset-subset", help="the configuration, if it has several")
+    group.add_argument("--text-column", default="text")
+    group.add_argument("--seq-length", type=int, default=256)
+    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                       help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    group.add_argument("--num-workers", type=int, default=1)
+    group = parser.add_argument_group("training")
+    group.add_argument("--seed", type=int, default=0, help="of the weights and the sample order")
+    group.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
+    group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
+    group.add_argument("--weight-decay", type=float, default=0.1)
+    group.add_argument("--max-grad-norm", type=float, default=1.0)
+    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the experiment, resumes included")
+    group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
+    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps of this run")
+    group = parser.add_argument_group("checkpoints and logging")
+    group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
+    group.add_argument("--save-dir", default="outputs")
+    group.add_argument("--log-freq", type=int, default=10)
+    group.add_argument("--ckpt-freq", type=int, default=100)
+    group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
+                       help="default: online if logged in to wandb, else offline")
+    group.add_argument("--wandb-project", default="distributed-training-guide")
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--ep", type=int, default=1, help="expert-parallel degree: ranks that split the experts")
+    group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
+    group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
+    group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
+    return parser
+
+
+def parse_args():
+    args = get_parser().parse_args()
+    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
+                 "ckpt_freq", "dist_timeout", "ep"]:
+        value = getattr(args, name)
+        require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
+    return args
+
+
+def require(condition, message):
+    if not condition:
+        raise SystemExit(f"error: {message}")
+
+
+@contextlib.contextmanager
+def explain_load_errors(what, fix):
+    # NOTE: one line, not a traceback per rank; an empty file raises StopIteration, a bad one a DatasetsError.
+    try:
+        yield
+    except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
+        reason = (str(error.__cause__ or error).strip() or "it holds no data").splitlines()[0]
+        require(False, f"cannot load {what} ({reason}); {fix}")
+
+
+def get_distributed_environment(rdzv_timeout):
+    # NOTE: torchrun sets the variables init_process_group() reads; srun's and mpirun's are translated here (their job
+    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python train_llm.py` is a world of one.
+    environment = os.environ
+    if "RANK" in environment and "WORLD_SIZE" in environment:
+        launcher = "torchrun"
+    elif "SLURM_PROCID" in environment:
+        launcher = "srun"
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+                           LOCAL_RANK=environment["SLURM_LOCALID"])
+    elif "OMPI_COMM_WORLD_RANK" in environment:
+        launcher = "mpirun"
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
+    else:
+        launcher = "python (one process)"
+        environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        environment.setdefault("MASTER_PORT", str(find_free_port()))
+    # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
+    require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+            != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
+    require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
+            f"{launcher} without MASTER_ADDR and MASTER_PORT: export them in the job script (see job-srun.sbatch)")
+    rank = int(environment["RANK"])
+    if launcher in ("srun", "mpirun") and rank != 0:
+        wait_for_rendezvous(environment["MASTER_ADDR"], int(environment["MASTER_PORT"]), rdzv_timeout, rank)
+    return launcher, rank, int(environment["LOCAL_RANK"]), int(environment["WORLD_SIZE"])
+
+
+def wait_for_rendezvous(host, port, timeout, rank):
+    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank waiting until --dist-timeout.
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return
+        except OSError as error:
+            require(time.monotonic() <= deadline, f"rank {rank} on {socket.gethostname()} cannot reach {host}:{port} "
+                    f"in {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT and the firewall")
+            time.sleep(1)
+
+
+def find_free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup_logging(rank):
+    logging.basicConfig(format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO, stream=sys.stdout)
+
+
+def get_device(local_rank):
+    # NOTE: with one GPU bound to each process (Slurm's --gpus-per-task=1), every process sees only cuda:0.
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    num_gpus = torch.cuda.device_count()
+    require(num_gpus <= 1 or local_rank < num_gpus, f"local rank {local_rank}, but only {num_gpus} GPUs visible: start "
+            "at most one process per GPU")
+    return torch.device("cuda", local_rank if num_gpus > 1 else 0)
+
+
+@contextlib.contextmanager
+def rank_zero_first():
+    # NOTE: rank 0 downloads and tokenizes alone while the others wait, in a gloo group with a day's timeout (longer
+    # than --dist-timeout); if it stops, it sends them its error and they stop with it.
+    waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    rank_zero_error = [None]
+    if dist.get_rank() != 0:
+        dist.broadcast_object_list(rank_zero_error, src=0, group=waiting_group)
+        require(rank_zero_error[0] is None, rank_zero_error[0])
+    try:
+        yield
+    except BaseException as error:
+        rank_zero_error[0] = (str(error).removeprefix("error: ") if isinstance(error, SystemExit)
+                              else f"rank 0 failed ({type(error).__name__}: {error}); see its traceback")
+        raise
+    finally:
+        if dist.get_rank() == 0:
+            dist.broadcast_object_list(rank_zero_error, src=0, group=waiting_group)
+        dist.destroy_process_group(waiting_group)
+
+
+# 1. The model
+
+
+def attention_implementation():
+    # NOTE: transformers' "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a
+    # name without a mask function, SDPA runs with is_causal=True instead.
+    AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
+    return "causal_sdpa"
+
+
+def shard_model(model, mesh, dtype, cpu_offload):
+    # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
+    # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
+    # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
+    fsdp_config = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                       offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    layers = model.model.layers
+    for index, layer in enumerate(layers):
+        # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
+        # its backward comes right after. The root group stays gathered for the same reason.
+        if hasattr(layer.mlp, "experts"):
+            shard_experts(layer.mlp.experts, mesh, fsdp_config, reshard_after_forward=index < len(layers) - 1)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
+    fully_shard(model, **fsdp_config, reshard_after_forward=False)
+
+
+def shard_experts(experts, mesh, fsdp_config, reshard_after_forward):
+    require(experts.has_gate and not experts.has_bias and not experts.is_transposed, f"{type(experts).__name__} has "
+            "expert biases or transposed weights; this chapter runs experts stored as gate_up_proj and down_proj")
+    # NOTE: whole experts on each ep rank (the 3D weights split along dim 0), then FSDP over the ranks holding the same
+    # experts (edp), along dim 1: dim 0 is already split, and its second split would be strided.
+    for name, param in experts.named_parameters():
+        experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(param, mesh["ep"], [Shard(0)])))
+    fully_shard(experts, **fsdp_config, mesh=mesh["edp"], shard_placement_fn=lambda param: Shard(1),
+                reshard_after_forward=reshard_after_forward)
+    # NOTE: an expert's gradient already sums its whole ep group's tokens (the all-to-all's backward brings them): the
+    # sum over edp divided by the world size is the mean over all ranks.
+    experts.set_gradient_divide_factor(mesh.size())
+    # NOTE: a plain SUM, as gloo has no premultiplied one; not on one edp rank, which torch 2.13 would divide twice.
+    experts.set_force_sum_reduction_for_comms(mesh["edp"].size() > 1)
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    # NOTE: values depend on (seed, name, device type) only, not on how the model is split: every later chapter
+    # starts from these weights and reproduces this loss curve.
+    for name, param in model.named_parameters():
+        generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full_value = torch.empty(param.shape, device=param.device).normal_(0, model.config.initializer_range,
+                                                                           generator=generator)
+        full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
+        # NOTE: param is this rank's shard (a DTensor): its slice of the full value, chapter 01's weights exactly.
+        param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
+
+
+@torch.no_grad()
+def reset_rotary_embeddings(model, device):
+    # NOTE: to_empty() left the rotary frequencies uninitialized: neither init_weights() nor a checkpoint restores them.
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            for name, buffer in type(module)(module.config).named_buffers():
+                module.register_buffer(name, buffer.to(device), persistent=False)
+
+
+# 1b. Expert parallelism
+
+
+def get_device_mesh(device, world_size, ep_degree, config):
+    """The (edp, ep) grid, ep innermost: the ranks that exchange tokens in every layer are a node's, on NVLink."""
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    require(ep_degree == 1 or num_experts, f"--ep {ep_degree}, but {config.model_type} is a dense model (no experts); "
+            "use --ep 1 or a mixture-of-experts model")
+    require(world_size % ep_degree == 0, f"--ep {ep_degree} does not divide the world size {world_size}; use a "
+            f"divisor of {world_size}")
+    require(ep_degree == 1 or num_experts % ep_degree == 0, f"--ep {ep_degree} does not divide the {num_experts} "
+            f"experts of each layer; use a divisor of {num_experts}")
+    return init_device_mesh(device.type, (world_size // ep_degree, ep_degree), mesh_dim_names=("edp", "ep"))
+
+
+def experts_implementation(ep_mesh):
+    # NOTE: registered with transformers like the attention: every MoE layer's experts module calls it.
+    ExpertsInterface.register("expert_parallel",
+                              functools.partial(expert_parallel_experts, ep_group=ep_mesh.get_group()))
+    return "expert_parallel"
+
+
+def expert_parallel_experts(experts, hidden_states, top_k_index, top_k_weights, ep_group):
+    """The experts of one MoE layer: each (token, expert) pair goes to the rank holding its expert and comes back."""
+    ep_degree, top_k = dist.get_world_size(ep_group), top_k_index.shape[1]
+    # NOTE: inside FSDP's forward the experts are whole over edp, a DTensor split over ep: this rank's share of them.
+    gate_up_proj, down_proj = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+    num_local_experts = gate_up_proj.shape[0]
+    # NOTE: sorted by expert, the pairs are grouped by the rank they go to (rank r holds a contiguous range).
+    expert_ids, order = top_k_index.flatten().sort(stable=True)
+    counts = torch.histc(expert_ids.float(), bins=experts.num_experts, min=0, max=experts.num_experts)
+    received_counts = torch.empty_like(counts)
+    dist.all_to_all_single(received_counts, counts, group=ep_group)
+    # NOTE: the host needs the split sizes (NCCL takes them as integers): the one synchronization of the layer.
+    send_sizes, receive_sizes = torch.stack([counts.view(ep_degree, -1).sum(1),
+                                             received_counts.view(ep_degree, -1).sum(1)]).long().tolist()
+    received = funcol.all_to_all_single_autograd(hidden_states[order // top_k], receive_sizes, send_sizes, ep_group)
+    # NOTE: what arrived is ordered by source rank, then local expert; grouped_mm wants it by local expert.
+    local_expert_ids = torch.arange(num_local_experts, device=counts.device).repeat(ep_degree).repeat_interleave(
+        received_counts.long(), output_size=received.shape[0])
+    by_expert = local_expert_ids.argsort(stable=True)
+    offsets = received_counts.view(ep_degree, -1).sum(0).cumsum(0).to(torch.int32)
+    hidden = torch.nn.functional.grouped_mm(received[by_expert].to(gate_up_proj.dtype), gate_up_proj.transpose(1, 2),
+                                            offs=offsets)
+    outputs = torch.nn.functional.grouped_mm(experts._apply_gate(hidden), down_proj.transpose(1, 2), offs=offsets)
+    outputs = torch.zeros_like(outputs).index_copy(0, by_expert, outputs)
+    returned = funcol.all_to_all_single_autograd(outputs, send_sizes, receive_sizes, ep_group)
+    weighted = returned * top_k_weights.flatten()[order].unsqueeze(1)
+    return torch.zeros_like(hidden_states).index_add(0, order // top_k, weighted.to(hidden_states.dtype))
+
+
+class LoadBalancingLoss:
+    """transformers' load_balancing_loss_func of the global batch: every rank's tokens, all MoE layers' routers.
+
+    Its loss is num_experts * sum(f * P), f the share of top-k choices of each expert and P its mean router
+    probability; f counts every rank's tokens, P this rank's: the mean over ranks of their losses is the global
+    batch's, and so is the mean of their gradients (f has none)."""
+
+    def __init__(self, model):
+        self.routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+        self.coefficient = model.config.router_aux_loss_coef if self.routers and model.config.output_router_logits \
+            else 0.0
+        self.counts, self.probabilities, self.step_counts = [], [], 0
+        for router in self.routers:
+            router.register_forward_hook(self.record)
+
+    def record(self, router, inputs, output):
+        probabilities = torch.softmax(output[0].float(), dim=-1)
+        choices = probabilities.topk(router.top_k, dim=-1).indices.flatten().float()
+        self.counts.append(torch.histc(choices, bins=router.num_experts, min=0, max=router.num_experts))
+        self.probabilities.append(probabilities.mean(0))
+
+    def loss(self):
+        if not self.routers:
+            return torch.zeros(())
+        counts, probabilities = torch.stack(self.counts), torch.stack(self.probabilities).mean(0)
+        self.counts, self.probabilities = [], []
+        dist.all_reduce(counts)
+        self.step_counts = self.step_counts + counts
+        fractions = counts.sum(0) * self.routers[0].top_k / counts.sum()
+        return self.routers[0].num_experts * (fractions * probabilities).sum()
+
+    def read_load(self):
+        """Tokens per expert over their mean in each layer (every rank's, since the last read): max and min."""
+        if not self.routers:
+            return {}
+        load = self.step_counts / self.step_counts.mean(1, keepdim=True)
+        self.step_counts = 0
+        return dict(zip(["expert_load_max", "expert_load_min"], torch.stack([load.max(), load.min()]).tolist()))
+
+
+def clip_grad_norm(parameters, max_norm):
+    """clip_grad_norm_ of gradients on two meshes, the experts' (edp, ep) and the rest's, as one vector."""
+    # NOTE: every rank holds its own slice of every gradient: the local squares sum to the global norm's.
+    local_grads = [param.grad.to_local() for param in parameters if param.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(local_grads) ** 2
+    dist.all_reduce(total_norm)
+    total_norm = total_norm.sqrt()
+    torch._foreach_mul_(local_grads, (max_norm / (total_norm + 1e-6)).clamp(max=1.0))
+    return total_norm
+
+
+# 2. The data
+
+
+def load_and_tokenize_dataset(args, tokenizer):
+    key = json.dumps([args.dataset_name, args.dataset_subset, args.text_column, tokenizer.name_or_path, len(tokenizer),
+                      args.seq_length])
+    cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "train_llm" / f"{zlib.crc32(key.encode()):08x}"
+    if not cache_dir.exists():
+        LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
+        with explain_load_errors(f"-d {args.dataset_name}", "pass a hub name, or .jsonl .json .csv .txt .parquet"):
+            raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
+        columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
+        require(columns.get(args.text_column) in ("string", "large_string"),
+                f"no text column {args.text_column!r} (columns: {columns}); pass --text-column")
+        tokenized = raw_dataset.map(
+            lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
+            batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
+                                batched=True, batch_size=10_000, desc="chunking")
+        # NOTE: a temporary name, then renamed (dropped if another run's came first): never a partial cache.
+        temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
+        chunked.save_to_disk(temporary_dir)
+        try:
+            os.replace(temporary_dir, cache_dir)
+        except OSError:
+            shutil.rmtree(temporary_dir)
+    return datasets.load_from_disk(cache_dir).with_format("torch")
+
+
+def load_raw_dataset(dataset_name, dataset_subset):
+    path = Path(dataset_name)
+    if path.is_file():
+        builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    return datasets.load_dataset(dataset_name, dataset_subset, split="train")
+
+
+def cut_into_chunks(token_lists, seq_length):
+    stream = [token for tokens in token_lists for token in tokens]
+    return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
+
+
+def get_micro_batches(dataset, args, train_state, device, rank, world_size):
+    """Micro-batches, epoch after epoch, from train_state's data position."""
+    while True:
+        yield from get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
+                                  rank, world_size)
+        train_state["epoch"] += 1
+        train_state["samples_seen_in_epoch"] = 0
+
+
+def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
+    # NOTE: chapter 01's order of (seed, epoch) is cut at the global data position before DistributedSampler deals it
+    # out (rank r gets samples r, r + world_size, ...): a checkpoint of 2 ranks resumes exactly on 3.
+    sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+    remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
+    sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
+    num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
+
+
+# 3. The optimizer and the learning rate schedule
+
+
+def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# 4. Checkpoints
+
+
+def find_latest_checkpoint(experiment_dir):
+    # NOTE: a checkpoint folder gets its final name only once it is complete, so any "checkpoint-*" is whole.
+    checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def find_latest_checkpoint_on_rank_zero(experiment_dir):
+    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
+    choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):
+    """Every rank writes its own shards with torch.distributed.checkpoint (DCP); rank 0 adds the small files."""
+    started = time.perf_counter()
+    temporary_dir = experiment_dir / f"tmp-checkpoint-{train_state['step']:08d}"
+    if rank == 0:
+        shutil.rmtree(temporary_dir, ignore_errors=True)
+    dist.barrier()
+    # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir)
+    if rank == 0:
+        write_checkpoint(experiment_dir, lr_scheduler, train_state, config)
+    dist.barrier()
+    LOGGER.info(f"checkpoint of step {train_state['step']} took {time.perf_counter() - started:.2f}s")
+
+
+def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
+    # NOTE: written into a temporary folder renamed once complete, and only then are older checkpoints deleted: a
+    # crash during the save leaves the previous checkpoint untouched.
+    final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
+    temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
+    torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
+               temporary_dir / "train_state.pt")
+    (temporary_dir / "model_config.json").write_text(config.to_json_string())
+    # NOTE: where -m came from, for convert_to_hf.py's tokenizer (a local folder made absolute).
+    model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
+    (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(temporary_dir, final_dir)
+    for old_dir in experiment_dir.glob("checkpoint-*"):
+        if old_dir != final_dir:
+            shutil.rmtree(old_dir)
+    LOGGER.info(f"saved {final_dir}")
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
+    saved = json.loads((checkpoint_dir / "model_config.json").read_text())
+    different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
+                 if saved.get(key) != getattr(config, key, None)]
+    require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
+    # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    # NOTE: weights_only: a checkpoint cannot run code. The RNG states must be CPU tensors, whoever wrote them.
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
+    lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
+    set_rng_state(train_state.pop("rng"))
+    return train_state
+
+
+SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads"]
+
+
+# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
+def get_rng_state():
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(rng_state):
+    torch.set_rng_state(rng_state["cpu"])
+    if torch.is_tensor(rng_state["cuda"]) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng_state["cuda"])
+
+
+# 5. Experiment tracking
+
+
+def get_wandb_mode(requested_mode):
+    # NOTE: online if you are logged in to wandb, offline otherwise: never stop and ask for an API key.
+    return requested_mode or os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False)
+                                                              else "offline")
+
+
+def get_wandb_run_id(experiment_dir):
+    id_file = experiment_dir / "wandb_run_id.txt"
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    return id_file.read_text().strip()
+
+
+def get_flops_per_token(model, config, seq_length):
+    # NOTE: PaLM's (appendix B) and torchtitan's formula: 6 per matmul weight, 12 * L * H * Q * T for attention.
+    # NOTE: the input embedding is a lookup, not a matmul, unless it is tied to the output head (Llama 3.2 1B, 3B).
+    num_params = sum(p.numel() for p in model.parameters()) - (
+        0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
+    # NOTE: a token runs top_k of each layer's experts: the other experts' parameters do no work for it.
+    for experts in [layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts")]:
+        idle_share = 1 - config.num_experts_per_tok / experts.num_experts
+        num_params -= sum(p.numel() for p in experts.parameters()) * idle_share
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
+
+
+# Dense bf16 tensor-core peak, in FLOP/s: NVIDIA's data sheets (half their "with sparsity" figures; A10G: AWS's).
+PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
+
+
+def get_peak_flops(device, dtype):
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    device_name = torch.cuda.get_device_name(device)
+    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40", "H100 NVL" contains "H100".
+    for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if gpu in device_name:
+            return PEAK_BF16_FLOPS[gpu]
+    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: add it to PEAK_BF16_FLOPS for MFU")
+
+
+def read_and_reset_memory_stats(device):
+    if device.type != "cuda":
+        return {"memory_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    stats = {"memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+             "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
+    torch.cuda.reset_peak_memory_stats(device)
+    return stats
+
+
+def log_metrics(metrics_file, record):
+    mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
+    memory = " ".join(f"{key[:-3]} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
+    times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
+    load = "" if "expert_load_max" not in record else (
+        f" | aux loss {record['aux_loss']:.4f} | expert load max {record['expert_load_max']:.2f} min "
+        f"{record['expert_load_min']:.2f}")
+    LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+                f"{record['grad_norm']:.3f}{load} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | "
+                f"{memory} | ms: {times}")
+    wandb.log(record, step=record["step"])
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+
+
+class StepTimer:
+    # NOTE: CUDA kernels run asynchronously, so the CPU's clock would time their queueing: CUDA events go into the
+    # GPU's stream instead, read on logging steps only.
+
+    def __init__(self, device):
+        self.use_cuda_events = device.type == "cuda"
+        self.spans = []
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        start = self.now()
+        yield
+        self.spans.append((name, start, self.now()))
+
+    def now(self):
+        if not self.use_cuda_events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def read_ms(self):
+        if self.use_cuda_events:
+            torch.cuda.synchronize()
+        totals = collections.defaultdict(float)
+        for name, start, end in self.spans:
+            totals[f"time_{name}_ms"] += start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
+        return totals
+
+
+def log_memory_held(model, optimizer):
+    def megabytes(tensors):
+        return sum(getattr(tensor, "to_local", lambda: tensor)().nbytes for tensor in tensors) / 1e6
+
+    moments = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+               and value.dim() > 0]
+    LOGGER.info(f"memory held by this rank: parameters {megabytes(model.parameters()):.2f} MB, gradients "
+                f"{megabytes(p.grad for p in model.parameters() if p.grad is not None):.2f} MB, optimizer state "
+                f"{megabytes(moments):.2f} MB")
+
+
+if __name__ == "__main__":
+    main()
