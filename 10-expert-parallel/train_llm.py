@@ -378,6 +378,10 @@ def shard_experts(experts, mesh, fsdp_config, reshard_after_forward):
             "expert biases or transposed weights; this chapter runs experts stored as gate_up_proj and down_proj")
     # NOTE: whole experts on each ep rank (the 3D weights split along dim 0), then FSDP over the ranks holding the same
     # experts (edp), along dim 1: dim 0 is already split, and its second split would be strided.
+    edp_degree = mesh["edp"].size()
+    widths = sorted({param.shape[1] for param in experts.parameters()})
+    require(all(width % edp_degree == 0 for width in widths), f"FSDP splits the experts' rows {widths} evenly over "
+            f"world size / --ep = {edp_degree} ranks, which do not divide them; use another --ep or world size")
     for name, param in experts.named_parameters():
         experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(param, mesh["ep"], [Shard(0)])))
     fully_shard(experts, **fsdp_config, mesh=mesh["edp"], shard_placement_fn=lambda param: Shard(1),
@@ -386,7 +390,7 @@ def shard_experts(experts, mesh, fsdp_config, reshard_after_forward):
     # sum over edp divided by the world size is the mean over all ranks.
     experts.set_gradient_divide_factor(mesh.size())
     # NOTE: a plain SUM, as gloo has no premultiplied one; not on one edp rank, which torch 2.13 would divide twice.
-    experts.set_force_sum_reduction_for_comms(mesh["edp"].size() > 1)
+    experts.set_force_sum_reduction_for_comms(edp_degree > 1)
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ run and it explains every definition the diff from chapter 04 adds or changes.
 import json
 import shlex
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,18 @@ def test_a_bad_input_gets_a_one_line_error(case):
     with pytest.raises(SystemExit) as stopped:
         load_script("10").get_device_mesh(torch.device("cpu"), world_size, ep, AutoConfig.from_pretrained(model))
     assert str(stopped.value) == expected
+
+
+def test_experts_fsdp_cannot_split_evenly_get_a_one_line_error():
+    # The tiny model's experts have rows of 512 (gate_up_proj) and 256 (down_proj): 3 edp ranks cannot split them,
+    # and FSDP2 shards dim 1 only evenly. The check runs before any collective: a mesh's sizes are all it reads.
+    with torch.device("meta"):
+        experts = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MOE_MODEL)).model.layers[0].mlp.experts
+    mesh = {"edp": types.SimpleNamespace(size=lambda: 3)}
+    with pytest.raises(SystemExit) as stopped:
+        load_script("10").shard_experts(experts, mesh, {}, reshard_after_forward=True)
+    assert str(stopped.value) == ("error: FSDP splits the experts' rows [256, 512] evenly over world size / --ep = 3 "
+                                  "ranks, which do not divide them; use another --ep or world size")
 
 
 def test_a_bad_input_stops_every_rank_with_one_line(env, tmp_path):
