@@ -22,6 +22,7 @@ CHAPTERS = {
     "07": "07-2d-parallel",
     "08": "08-pipeline-parallel",
     "09": "09-context-parallel",
+    "11": "11-4d-parallel",
 }
 TINY_MODEL = REPO / "data" / "tiny-llama"
 FAULTS = REPO / "tests" / "faults"
