@@ -80,6 +80,7 @@ def main():
     # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
+    dp_mesh, pp_mesh, cp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     check_context_parallel(args, config)
     # NOTE: tp splits the tokens of this rank's share of each sequence, and the heads attention gets.
@@ -90,22 +91,22 @@ def main():
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
     load_balance = args.cp_load_balance == "on" and args.cp > 1
     attn_implementation = attention_implementation() if args.cp == 1 else \
-        register_context_parallel_attention(args.cp_attention, mesh["cp"], load_balance)
+        register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
     # NOTE: torchtitan's order: the pipeline split first, then on what this rank keeps, tensor parallelism
     # (then chapter 05's activation checkpointing and compile would go), then FSDP per stage, over dp and cp.
-    stage_modules = split_into_stages(model, mesh["pp"].get_local_rank(), args.pp, stages_per_rank)
-    parallelize_model(model, mesh["tp"])
+    stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank)
+    parallelize_model(model, tp_mesh)
     for stage_module in stage_modules:
         shard_model(stage_module, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.pp)
         stage_module.to_empty(device=device)
     init_weights(model, args.seed)
     reset_rotary_embeddings(model, device)
     # NOTE: this rank's tokens of each sequence (all of them without cp), at their positions in the sequence.
-    token_indices = get_token_indices(args.seq_length, mesh["cp"].get_local_rank(), args.cp, load_balance, device)
+    token_indices = get_token_indices(args.seq_length, cp_mesh.get_local_rank(), args.cp, load_balance, device)
     DecoderStage.position_ids = token_indices.unsqueeze(0)
     stages_held = ", ".join(f"stage {stage.stage_index} (layers {', '.join(stage.layers)})" for stage in stage_modules)
     LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters; this rank runs {stages_held} of "
@@ -115,7 +116,7 @@ def main():
     with rank_zero_first():
         dataset = load_and_tokenize_dataset(args, tokenizer)
     # NOTE: the ranks of a (pp, cp, tp) block read the same batch; data parallelism runs across the blocks.
-    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     samples_per_step = args.batch_size * args.grad_accum * dp_size
     steps_per_epoch = len(dataset) // samples_per_step
     require(steps_per_epoch > 0, f"{len(dataset)} sequences are fewer than one step's {samples_per_step}; use more "
@@ -151,7 +152,7 @@ def main():
     # the shares add up to chapter 01's loss, and FSDP sums the gradients.
     loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1))
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
-        stage_modules, args.pp_schedule, num_microbatches, loss_fn, mesh["pp"], device)
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device)
     micro_batches = get_micro_batches(dataset, args, train_state, device, dp_rank, dp_size)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -177,7 +178,7 @@ def main():
             if has_last_stage:
                 step_loss += torch.stack(losses).sum().detach().full_tensor()
         with timer("update"):
-            grad_norm = clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, mesh["pp"].get_group())
+            grad_norm = clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, pp_mesh.get_group())
             optimizer.step()
             if step == first_step:
                 log_memory_held(model, optimizer)
