@@ -3,8 +3,10 @@ ranks splits every layer (chapter 06), --cp rows split every sequence (chapter 0
 pipeline stage each (chapter 08), and FSDP shards every stage over the data-parallel ranks that are left (chapter 04).
 
     torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
+    # 64 nodes of 8 GPUs: tp 8 in a node, cp 4 and pp 8 across nodes, dp 2 (what is left), with chapter 03's job script:
     TRAIN_SCRIPT=11-4d-parallel/train_llm.py sbatch --nodes 64 --gpus-per-node 8 03-job-launchers/job.sbatch \\
-        --tp 8 --pp 8 --seq-length 8192 --batch-size 8 -m meta-llama/Llama-3.1-405B -d tatsu-lab/alpaca -e llama-405b-4d
+        --tp 8 --pp 8 --cp 4 --seq-length 8192 --batch-size 8 -m meta-llama/Llama-3.1-405B -d tatsu-lab/alpaca \\
+        -e llama-405b-4d
 """
 
 import argparse
@@ -170,7 +172,7 @@ def main():
             # first stage takes this rank's tokens, the last their labels; the schedule cuts them into micro-batches.
             labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)[:, token_indices]
             losses = [] if has_last_stage else None
-            # NOTE: loss_parallel(), around the schedule's backward too: the loss from logits split along the vocabulary.
+            # NOTE: loss_parallel(), around the schedule's backward too: the loss of logits split by vocabulary.
             with timer("pipeline"), loss_parallel():
                 schedule.step(*([input_ids[:, token_indices]] if has_first_stage else []),
                               target=labels if has_last_stage else None, losses=losses, return_outputs=False)
