@@ -94,8 +94,11 @@ def main():
     load_balance = args.cp_load_balance == "on" and args.cp > 1
     attn_implementation = attention_implementation() if args.cp == 1 else \
         register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
+    # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
+    # to_empty() allocates only this rank's shards, and init_weights() fills them.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32)
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
     # NOTE: torchtitan's order: the pipeline split first, then on what this rank keeps, tensor parallelism
@@ -511,8 +514,6 @@ def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
     form = ring_attention if cp_attention == "ring" else all_to_all_attention
     AttentionInterface.register(name, functools.partial(form, cp_mesh=cp_mesh, load_balance=load_balance))
     return name
-
-
 
 
 def parallelize_model(model, tp_mesh):
