@@ -100,8 +100,10 @@ CHAPTER_ARGS = {
     "07-2d-parallel": ["--tp", "{nproc}"],  # the chapter's default on one node, said explicitly
     "08-pipeline-parallel": ["--pp", "{pp}"],
     "09-context-parallel": ["--cp", "{nproc}"],
+    "11-4d-parallel": ["--tp", "{tp}", "--pp", "{pp_after_tp}"],  # tp 2 (an even nproc), then 08's stages
 }
-PARALLEL_CHAPTERS = ["08-pipeline-parallel", "09-context-parallel"]
+PARALLEL_CHAPTERS = ["08-pipeline-parallel", "09-context-parallel", "11-4d-parallel"]
+PIPELINE_CHAPTERS = ["08-pipeline-parallel", "11-4d-parallel"]
 RING_CHAPTER = "09-context-parallel"
 NOT_EXERCISED = "parallelism not exercised on 1 GPU"
 BENCHMARK_CHAPTERS = ["01-single-gpu", "04-fully-sharded-data-parallel"]
@@ -545,7 +547,7 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
         for chapter in chapters:
             reference = None if chapter == REFERENCE_CHAPTER else REFERENCE_CHAPTER
             model, note = args.model, NOT_EXERCISED if nproc == 1 and chapter in PARALLEL_CHAPTERS else None
-            if chapter == "08-pipeline-parallel" and nproc > 1 and args.batch_size > 1:
+            if chapter in PIPELINE_CHAPTERS and nproc > 1 and args.batch_size > 1:
                 model = untied_model(args.model, scratch_dir)
                 if model != args.model:
                     reference, note = None, "an untied copy of the model (pipeline stages cannot share one weight)"
@@ -681,7 +683,9 @@ def chapter_arguments(chapter, nproc, batch_size):
     """A chapter's extra arguments at world size nproc with --batch-size batch_size."""
     # NOTE: 1F1B needs a micro-batch per stage (one sequence each): the most stages dividing nproc that the batch fills.
     pp = max(stages for stages in range(1, min(nproc, batch_size) + 1) if nproc % stages == 0)
-    return [arg.format(nproc=nproc, pp=pp) for arg in CHAPTER_ARGS.get(chapter, [])]
+    tp = 2 if nproc % 2 == 0 else 1
+    pp_after_tp = max(stages for stages in range(1, min(nproc // tp, batch_size) + 1) if nproc // tp % stages == 0)
+    return [arg.format(nproc=nproc, pp=pp, tp=tp, pp_after_tp=pp_after_tp) for arg in CHAPTER_ARGS.get(chapter, [])]
 
 
 def untied_model(model, scratch_dir):
