@@ -4,7 +4,7 @@
     python tools/dry_run.py 07 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --tp 8
     python tools/dry_run.py 08 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-70b --pp 8
     python tools/dry_run.py 09 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --cp 8 --seq-length 8192
-    python tools/dry_run.py 11 --nnodes 4 --nproc-per-node 8 -m data/configs/llama-3.1-70b --tp 8 --pp 2 \
+    python tools/dry_run.py 11 --nnodes 4 --nproc-per-node 8 -m data/configs/llama-3.1-70b --tp 8 --pp 2 \\
         --seq-length 2048 --batch-size 4
 
 Everything after the chapter goes to the chapter's train_llm.py, whose main() runs as on rank --rank of a job of
