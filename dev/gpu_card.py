@@ -100,10 +100,12 @@ CHAPTER_ARGS = {
     "07-2d-parallel": ["--tp", "{nproc}"],  # the chapter's default on one node, said explicitly
     "08-pipeline-parallel": ["--pp", "{pp}"],
     "09-context-parallel": ["--cp", "{nproc}"],
+    "11-4d-parallel": ["--tp", "{tp}", "--pp", "{pp_after_tp}"],  # tp 2 (an even nproc), then 08's stages
 }
 # NOTE: chapter 10 runs the card's dense model at --ep 1 (chapter 04 plus a zero load-balancing loss), at any world
 # size: its row says so; its expert parallelism is tested on the CPU (tests/test_10_expert_parallel.py).
-PARALLEL_CHAPTERS = ["08-pipeline-parallel", "09-context-parallel", "10-expert-parallel"]
+PARALLEL_CHAPTERS = ["08-pipeline-parallel", "09-context-parallel", "10-expert-parallel", "11-4d-parallel"]
+PIPELINE_CHAPTERS = ["08-pipeline-parallel", "11-4d-parallel"]
 RING_CHAPTER = "09-context-parallel"
 NOT_EXERCISED = "parallelism not exercised on 1 GPU"
 BENCHMARK_CHAPTERS = ["01-single-gpu", "04-fully-sharded-data-parallel"]
@@ -549,7 +551,7 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
             model, note = args.model, NOT_EXERCISED if nproc == 1 and chapter in PARALLEL_CHAPTERS else None
             if chapter == "10-expert-parallel" and nproc > 1:
                 note = "a dense model at --ep 1: expert parallelism not exercised"
-            if chapter == "08-pipeline-parallel" and nproc > 1 and args.batch_size > 1:
+            if chapter in PIPELINE_CHAPTERS and nproc > 1 and args.batch_size > 1:
                 model = untied_model(args.model, scratch_dir)
                 if model != args.model:
                     reference, note = None, "an untied copy of the model (pipeline stages cannot share one weight)"
@@ -685,7 +687,9 @@ def chapter_arguments(chapter, nproc, batch_size):
     """A chapter's extra arguments at world size nproc with --batch-size batch_size."""
     # NOTE: 1F1B needs a micro-batch per stage (one sequence each): the most stages dividing nproc that the batch fills.
     pp = max(stages for stages in range(1, min(nproc, batch_size) + 1) if nproc % stages == 0)
-    return [arg.format(nproc=nproc, pp=pp) for arg in CHAPTER_ARGS.get(chapter, [])]
+    tp = 2 if nproc % 2 == 0 else 1
+    pp_after_tp = max(stages for stages in range(1, min(nproc // tp, batch_size) + 1) if nproc // tp % stages == 0)
+    return [arg.format(nproc=nproc, pp=pp, tp=tp, pp_after_tp=pp_after_tp) for arg in CHAPTER_ARGS.get(chapter, [])]
 
 
 def untied_model(model, scratch_dir):

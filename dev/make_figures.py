@@ -19,6 +19,8 @@ The figures, and the runs each one is drawn from (the tables below list them; a 
                                 longer: run it alone)
     09-context-parallel/load-balanced-layout.png  which rank computes which part of the causal attention, from
                                 chapter 09's own token split (09-context-parallel/draw_context_parallel_layout.py)
+    11-4d-parallel/parity-matrix.png  chapter 11 in five layouts of tp, pp, cp and dp against chapter 01: the
+                                largest loss and gradient-norm differences of each, and the loss differences per step
 
 Everything runs on the CPU with the bundled tiny model and corpus; a full run took 32 minutes on 2 busy cores
 (--reuse redraws from the runs a previous call left in --work-dir, in seconds).
@@ -59,6 +61,15 @@ PARITY_RUNS = [
     ("07 dp 2 x tp 2, 2 per dp rank", "07", 4, ["--batch-size", "2", "--tp", "2"]),
     ("08 pp 2, 1F1B, 2 micro-batches", "08", 2, ["--batch-size", "4", "--pp", "2"]),
     ("09 cp 2, ring attention", "09", 2, ["--batch-size", "4", "--cp", "2"]),
+]
+# Chapter 11's parity matrix: (label, processes, flags), each with chapter 01's global batch of 4 (--batch-size 4 / dp),
+# against chapter 01 with --batch-size 4.
+PARITY_MATRIX_RUNS = [
+    ("tp 2 x pp 2 x dp 2", 8, ["--batch-size", "2", "--tp", "2", "--pp", "2"]),
+    ("tp 2 x cp 2 x dp 2", 8, ["--batch-size", "2", "--tp", "2", "--cp", "2"]),
+    ("pp 2 x cp 2 x tp 2", 8, ["--batch-size", "4", "--tp", "2", "--pp", "2", "--cp", "2"]),
+    ("tp 2 x pp 2", 4, ["--batch-size", "4", "--tp", "2", "--pp", "2"]),
+    ("pp 2 x cp 2", 4, ["--batch-size", "4", "--pp", "2", "--cp", "2"]),
 ]
 # The memory figure: (label, chapter, flags, the estimator's layout for N ranks, bytes per parameter at N ranks).
 MEMORY_RUNS = [
@@ -167,6 +178,45 @@ def make_parity(runner, out_dir):
                                  title=f"Every chapter trains chapter 01's loss curve\n{steps} steps of the same "
                                        f"global batch (4 x 64 tokens), fp32 on CPUs; largest difference {worst:.1e}")
     return save(figure, out_dir / "parity.png")
+
+
+def make_parity_matrix(runner, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = 3 if runner.fast else 20
+    layouts = PARITY_MATRIX_RUNS[3:4] if runner.fast else PARITY_MATRIX_RUNS
+    reference = plot_runs.read_metrics(runner.train("parity-matrix-01", "01", None, ["--batch-size", "4",
+                                                                                      "--max-steps", str(steps)]))
+    figure, (table_ax, curve_ax) = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [1.25, 1]})
+    rows = []
+    for index, (label, nproc, args) in enumerate(layouts):
+        records = plot_runs.read_metrics(runner.train(f"parity-matrix-{index}", "11", nproc,
+                                                      [*args, "--max-steps", str(steps)]))
+        loss_differences = [abs(a["loss"] - b["loss"]) for a, b in zip(reference, records, strict=True)]
+        norm_difference = max(abs(b["grad_norm"] / a["grad_norm"] - 1) for a, b in zip(reference, records))
+        rows.append([label, str(nproc), f"{max(loss_differences):.1e}", f"{norm_difference:.1e}"])
+        # NOTE: equal fp32 losses differ by 0: drawn at 1e-9 on the log scale.
+        curve_ax.plot([r["step"] for r in records], [max(d, 1e-9) for d in loss_differences], marker="o",
+                      markersize=3, label=label)
+    table_ax.axis("off")
+    table = table_ax.table(cellText=rows, colLabels=["layout", "ranks", "max |loss - 01's|",
+                                                     "max |grad norm / 01's - 1|"], loc="center",
+                           cellLoc="center", colWidths=[0.3, 0.1, 0.28, 0.32])
+    table.auto_set_font_size(False)
+    table.set_fontsize(9)
+    table.scale(1, 1.6)
+    curve_ax.set_yscale("log")
+    curve_ax.set_xlabel("step")
+    curve_ax.set_ylabel("|loss - chapter 01's|")
+    curve_ax.grid(True, alpha=0.3)
+    curve_ax.legend(fontsize="small")
+    figure.suptitle(f"Chapter 11 against chapter 01: {steps} steps of the same global batch (4 x 64 tokens), fp32 on "
+                    f"CPUs, clipping at 1.0", fontsize="medium")
+    figure.tight_layout()
+    return save(figure, chapter_figure(out_dir, "11", "parity-matrix.png"))
 
 
 def make_memory_per_rank(runner, out_dir):
@@ -323,6 +373,7 @@ FIGURE_MAKERS = {
     "activation_checkpointing": make_activation_checkpointing,
     "pipeline_schedules": make_pipeline_schedules,
     "context_parallel_layout": make_context_parallel_layout,
+    "parity_matrix": make_parity_matrix,
 }
 
 

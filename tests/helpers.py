@@ -23,6 +23,7 @@ CHAPTERS = {
     "08": "08-pipeline-parallel",
     "09": "09-context-parallel",
     "10": "10-expert-parallel",
+    "11": "11-4d-parallel",
 }
 TINY_MODEL = REPO / "data" / "tiny-llama"
 FAULTS = REPO / "tests" / "faults"

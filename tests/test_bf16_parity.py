@@ -8,10 +8,11 @@ fp32 weights, and the embeddings, the residual stream and the norms stay fp32; o
 bf16 copies of every weight (FSDP's MixedPrecisionPolicy) and bf16 inputs to every sharded module, so the residual
 stream is bf16 and rounds at every addition: a larger, still bounded, difference (see chapter 01's and 04's READMEs).
 
-Measured on the tiny model, 6 steps of 4 x 64 tokens: 02 and 03 3.1e-4, 06 2.2e-4, 04 and 05 2.0e-3, 07 2.0e-3,
-08 1.9e-3 (chapter 01's own bf16 and fp32 curves differ by 6.5e-4). The tolerances leave a margin of 2.5x or more
-for other CPUs' bf16 kernels, and stay far below what a wrong run gives: consecutive losses of this curve differ by
-0.045 or more, so a chapter that skipped or repeated a step would be off by nine times the larger tolerance.
+Measured on the tiny model, 6 steps of 4 x 64 tokens: 02 and 03 3.1e-4, 06 2.2e-4, 04 and 05 2.0e-3, 07 2.0e-3, 08
+1.9e-3, 11 (tp 2 x pp 2) 1.9e-3 (chapter 01's own bf16 and fp32 curves differ by 6.5e-4). The tolerances leave a
+margin of 2.5x or more for other CPUs' bf16 kernels, and stay far below what a wrong run gives: consecutive losses
+of this curve differ by 0.045 or more, so a chapter that skipped or repeated a step would be off by nine times the
+larger tolerance.
 One chapter-01 reference run serves every test (the `runs` fixture of conftest.py). `pytest -s` prints the figures.
 """
 
@@ -42,6 +43,8 @@ CHAPTER_RUNS = {
     "08": (2, ["--pp", "2", "--batch-size", "4", "--pp-microbatches", "2"], FSDP_BF16_TOLERANCE),
     # NOTE: the cp ranks of 09 split the same sequences: 2 ranks as cp 2 read the whole batch.
     "09": (2, ["--cp", "2", "--batch-size", "4"], FSDP_BF16_TOLERANCE),
+    # NOTE: tensor-parallel stages: the sequence slices cross from stage to stage in bf16.
+    "11": (4, ["--tp", "2", "--pp", "2", "--batch-size", "4"], FSDP_BF16_TOLERANCE),
 }
 
 

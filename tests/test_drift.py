@@ -149,11 +149,64 @@ LINEAGE = {
         "clip_grad_norm": "the gradient norm over the experts' mesh and the rest's",
         "get_flops_per_token": "MFU counts the active parameters: top-k of each layer's experts",
         "log_metrics": "the log line shows the auxiliary loss and the expert load",
+    ("07", "11"): {
+        "main": "a (dp, pp, cp, tp) mesh: the model cut into stages (chapter 08), then tensor parallelism and FSDP "
+                "over dp and cp on each stage, the attention across the split registered (chapter 09), each rank's "
+                "tokens and shifted labels, one pipeline schedule per micro-step under loss_parallel(), the loss as "
+                "each rank's share of the global mean, the gradient norm over all stages, the pipeline's idle time",
+        "get_parser": "chapter 08's --pp options and chapter 09's --cp options (their definitions), without "
+                      "--dp-replicate: hybrid sharding is left out of the 4D mesh",
+        "get_device_mesh": "the 4D mesh, tp innermost, dp outermost (Llama 3's order)",
+        "parallelize_model": "after the pipeline split: a rank's layers are a dict, and only the plan's keys of the "
+                             "parts its stages hold are applied",
+        "shard_model": "chapter 08's FSDP per stage, over the flattened (dp, cp) mesh, summing the gradients as "
+                       "chapter 09 does (each rank's loss is its share of the global mean)",
+        "save_checkpoint": "chapter 08's: the saved parameter group lists every stage's names",
+        "PIPELINE_SCHEDULES": "chapter 08's, unchanged (COPIES)",
+        "check_pipeline_layout": "chapter 08's, unchanged (COPIES)",
+        "split_into_stages": "chapter 08's, unchanged (COPIES)",
+        "DecoderStage": "chapter 08's stage, at the positions main() sets: tp's and cp's splits leave the hidden "
+                        "states shorter than the sequence, and cp's tokens are not consecutive",
+        "check_context_parallel": "chapter 09's, unchanged (COPIES)",
+        "register_context_parallel_attention": "chapter 09's, unchanged (COPIES)",
+        "# 1b. Attention across the split": "chapter 09's section of the split attention",
+        "get_token_indices": "chapter 09's, unchanged (COPIES)",
+        "ring_attention": "chapter 09's, unchanged (COPIES)",
+        "RingAttention": "chapter 09's, unchanged (COPIES)",
+        "ring_steps": "chapter 09's, unchanged (COPIES)",
+        "start_ring_pass": "chapter 09's, unchanged (COPIES)",
+        "visible_block": "chapter 09's, unchanged (COPIES)",
+        "attention_block": "chapter 09's, unchanged (COPIES)",
+        "attention_block_backward": "chapter 09's, unchanged (COPIES)",
+        "block_scores": "chapter 09's, unchanged (COPIES)",
+        "merge_block": "chapter 09's, unchanged (COPIES)",
+        "all_to_all_attention": "chapter 09's, unchanged (COPIES)",
+        "sequence_to_head_shards": "chapter 09's, unchanged (COPIES)",
+        "head_to_sequence_shards": "chapter 09's, unchanged (COPIES)",
+        "AllToAll": "chapter 09's, unchanged (COPIES)",
+        "# 6. The training loop: the pipeline": "chapter 08's section of the pipeline's helpers",
+        "get_loss_function": "chapter 08's loss on the last stage, from labels shifted before the cp split, as "
+                             "a share of the step's mean over every rank's labels (chapter 09's form)",
+        "build_pipeline_schedule": "chapter 08's, unchanged (COPIES)",
+        "FSDPPipelineStage": "chapter 08's, unchanged (COPIES)",
+        "clip_grad_norm_across_stages": "chapter 08's, unchanged (COPIES)",
     },
 }
 for allowed in LINEAGE.values():
     allowed.update({"__doc__": "the chapter's own summary and commands", "imports": "what the chapter's code uses"})
 MUST_EXIST = {("01", "02")}
+
+# (source chapter, chapter) -> the definitions a chapter with two or more parents takes from one that is not its
+# base: each must stay byte-identical to the source's (chapter 11 is chapter 07 with 08's pipeline and 09's split).
+COPIES = {
+    ("08", "11"): ["PIPELINE_SCHEDULES", "check_pipeline_layout", "split_into_stages",
+                   "# 6. The training loop: the pipeline", "build_pipeline_schedule", "FSDPPipelineStage",
+                   "clip_grad_norm_across_stages", "save_checkpoint"],
+    ("09", "11"): ["check_context_parallel", "register_context_parallel_attention", "# 1b. Attention across the split",
+                   "get_token_indices", "ring_attention", "RingAttention", "ring_steps", "start_ring_pass",
+                   "visible_block", "attention_block", "attention_block_backward", "block_scores", "merge_block",
+                   "all_to_all_attention", "sequence_to_head_shards", "head_to_sequence_shards", "AllToAll"],
+}
 
 
 def statement_name(node):
@@ -241,6 +294,45 @@ def test_a_chapter_changes_only_what_it_teaches(base, chapter):
     problems = find_drift(script(base).read_text(), script(chapter).read_text(), LINEAGE[base, chapter],
                           base_name, chapter_name)
     assert not problems, f"{chapter_name} vs its base {base_name}:\n\n" + "\n\n".join(problems)
+
+
+def find_copy_drift(source_source, chapter_source, names, source_name="source", chapter_name="chapter"):
+    """What breaks the copies check, one message per problem: a name missing from either script (a stale entry), or
+    a copy whose text differs from its source's."""
+    source, chapter = top_level_definitions(source_source), top_level_definitions(chapter_source)
+    problems = []
+    for name in names:
+        missing = [where for where, definitions in ((source_name, source), (chapter_name, chapter))
+                   if name not in definitions]
+        if missing:
+            problems.append(f"the copied {name} is not in {' or '.join(missing)}: remove it from COPIES")
+        elif source[name] != chapter[name]:
+            diff = difflib.unified_diff(source[name].splitlines(), chapter[name].splitlines(), source_name,
+                                        chapter_name, n=1, lineterm="")
+            problems.append(f"{name} drifted from its source; copy it again, or make it the chapter's own (out of "
+                            f"COPIES, allowlisted with the reason):\n" + "\n".join(list(diff)[:30]))
+    return problems
+
+
+@pytest.mark.parametrize("source, chapter", COPIES, ids=[f"{source}-in-{chapter}" for source, chapter in COPIES])
+def test_what_a_chapter_copies_from_another_parent_stays_identical(source, chapter):
+    if not (script(source).exists() and script(chapter).exists()):
+        pytest.skip(f"no {script(source).relative_to(REPO)} or {script(chapter).relative_to(REPO)} yet")
+    source_name, chapter_name = (str(script(name).relative_to(REPO)) for name in (source, chapter))
+    problems = find_copy_drift(script(source).read_text(), script(chapter).read_text(), COPIES[source, chapter],
+                               source_name, chapter_name)
+    assert not problems, f"{chapter_name}'s copies from {source_name}:\n\n" + "\n\n".join(problems)
+
+
+def test_the_copies_check_names_an_edited_copy_and_a_stale_name():
+    chapter_source = script("11").read_text()
+    old = "    everything = slice(None)\n"
+    assert chapter_source.count(old) == 1
+    problems = find_copy_drift(script("09").read_text(), chapter_source.replace(old, "    everything = slice(0)\n"),
+                               [*COPIES["09", "11"], "no_such_function"])
+    assert len(problems) == 2 and problems[0].startswith("visible_block drifted from its source"), problems
+    assert problems[1] == "the copied no_such_function is not in source or chapter: remove it from COPIES"
+    assert find_copy_drift(script("09").read_text(), chapter_source, COPIES["09", "11"]) == []
 
 
 # The check itself: each edit below, made to chapter 01 alone, must be caught and named.

@@ -78,13 +78,13 @@ def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
         assert record["fraction_of_ceiling"] > 0
         # NOTE: chapter 08 also logs its gradient reduction and the time its stages waited inside the schedule.
         assert set(record["step_ms"]) == {"data", "forward", "backward", "update"} | (
-            {"reduce", "idle"} if chapter == "08-pipeline-parallel" else set())
+            {"reduce", "idle"} if chapter in ("08-pipeline-parallel", "11-4d-parallel") else set())
         assert record["mfu"] is None and record["syncs"]["per_step"] is None
         assert len(record["losses"]) == card["settings"]["steps"] // card["settings"]["log_freq"]
         assert (out_dir / record["log"]).exists()
-        # NOTE: at world size 1 chapters 08, 09 and 10 run no pipeline, no ring and no all-to-all: their rows say so.
+        # NOTE: at world size 1 chapters 08, 09, 10 and 11 run no pipeline, no ring and no all-to-all: their rows say so.
         options = "(parallelism not exercised on 1 GPU)" if chapter in (
-            "08-pipeline-parallel", "09-context-parallel", "10-expert-parallel") else ""
+            "08-pipeline-parallel", "09-context-parallel", "10-expert-parallel", "11-4d-parallel") else ""
         row = next(line for line in markdown.splitlines() if line.startswith(f"| {chapter} | {options} |"))
         assert f"| {record['tokens_per_second']:,.0f} | n/a | {record['fraction_of_ceiling']:.1%} |" in row
         if chapter == "01-single-gpu":
@@ -386,7 +386,8 @@ def test_the_gpu_check_of_chapter_05_is_the_card(env, tmp_path):
     assert card["mode"] == "gpu" and "--only 04,05" in card["command"]
 
 
-LAYOUT_CHAPTERS = dict.fromkeys(["06-tensor-parallel", "07-2d-parallel", "08-pipeline-parallel", "09-context-parallel"])
+LAYOUT_CHAPTERS = dict.fromkeys(["06-tensor-parallel", "07-2d-parallel", "08-pipeline-parallel", "09-context-parallel",
+                                 "11-4d-parallel"])
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4, 8])
@@ -432,10 +433,16 @@ def test_the_cards_arguments_pass_each_chapters_own_layout_checks(nproc, tmp_pat
             chapter.get_device_mesh(torch.device("cpu"), nproc, args.cp)
             chapter.check_context_parallel(args, config)
             degrees[item.chapter] = args.cp
+        elif item.chapter == "11-4d-parallel":
+            chapter.get_device_mesh(torch.device("cpu"), nproc, args.tp, args.pp, args.cp)
+            chapter.check_pipeline_layout(args, nproc, config)
+            chapter.check_tensor_parallel_degree(args.tp, config, args.seq_length // args.cp)
+            degrees[item.chapter] = (args.tp, args.pp)
         assert item.note == ("parallelism not exercised on 1 GPU" if nproc == 1 and item.chapter in
-                             ("08-pipeline-parallel", "09-context-parallel") else item.note)
+                             ("08-pipeline-parallel", "09-context-parallel", "11-4d-parallel") else item.note)
     assert degrees == {"06-tensor-parallel": nproc, "07-2d-parallel": nproc,
-                       "08-pipeline-parallel": min(nproc, 4), "09-context-parallel": nproc}
+                       "08-pipeline-parallel": min(nproc, 4), "09-context-parallel": nproc,
+                       "11-4d-parallel": {1: (1, 1), 2: (2, 1), 4: (2, 2), 8: (2, 4)}[nproc]}
 
 
 def test_the_ring_block_timing_calls_chapter_09s_block_and_sdpa_on_the_same_shapes(tmp_path):

@@ -4,6 +4,8 @@
     python tools/dry_run.py 07 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --tp 8
     python tools/dry_run.py 08 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-70b --pp 8
     python tools/dry_run.py 09 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-8b --cp 8 --seq-length 8192
+    python tools/dry_run.py 11 --nnodes 4 --nproc-per-node 8 -m data/configs/llama-3.1-70b --tp 8 --pp 2 \\
+        --seq-length 2048 --batch-size 4
 
 Everything after the chapter goes to the chapter's train_llm.py, whose main() runs as on rank --rank of a job of
 --nnodes x --nproc-per-node processes, with three things swapped underneath it:
@@ -42,7 +44,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CHAPTERS = {path.name[:2]: path for path in sorted(REPO_ROOT.glob("0[4-9]-*")) if (path / "train_llm.py").is_file()}
+CHAPTERS = {path.name[:2]: path for path in sorted(REPO_ROOT.glob("[01][0-9]-*")) if (path / "train_llm.py").is_file()}
 MB = 1e6
 
 
@@ -287,7 +289,7 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
     known, _ = parser.parse_known_args(chapter_args)
     if chapter == "06":
         known.tp = world_size
-    if chapter == "08":
+    if chapter in ("08", "11"):
         # NOTE: the estimator's --batch-size is one micro-batch and --grad-accum the micro-batches a stage runs.
         micro_batches = known.pp_microbatches or known.batch_size
         known.batch_size, known.grad_accum = known.batch_size // micro_batches, micro_batches

@@ -1,0 +1,1126 @@
+"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained. Each row of --tp
+ranks splits every layer (chapter 06), --cp rows split every sequence (chapter 09), --pp groups of those run one
+pipeline stage each (chapter 08), and FSDP shards every stage over the data-parallel ranks that are left (chapter 04).
+
+    torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
+    # 64 nodes of 8 GPUs: tp 8 in a node, cp 4 and pp 8 across nodes, dp 2 (what is left), with chapter 03's job script:
+    TRAIN_SCRIPT=11-4d-parallel/train_llm.py sbatch --nodes 64 --gpus-per-node 8 03-job-launchers/job.sbatch \\
+        --tp 8 --pp 8 --cp 4 --seq-length 8192 --batch-size 8 -m meta-llama/Llama-3.1-405B -d tatsu-lab/alpaca \\
+        -e llama-405b-4d
+"""
+
+import argparse
+import collections
+import contextlib
+import datetime
+import functools
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import socket
+import sys
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import datasets
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import wandb
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+from tqdm import tqdm
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOGGER = logging.getLogger("train_llm")
+
+
+# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
+@record
+def main():
+    args = parse_args()
+    launcher, rank, local_rank, world_size = get_distributed_environment(args.rdzv_timeout)
+    setup_logging(rank)
+    LOGGER.info(f"arguments: {vars(args)}")
+    LOGGER.info(f"started by {launcher} on {socket.gethostname()}, rendezvous at {os.environ['MASTER_ADDR']}:"
+                f"{os.environ['MASTER_PORT']}")
+    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    device = get_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group(backend="gloo", timeout=timeout)
+    auto_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto_dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    LOGGER.info(f"rank {rank} of {world_size} (local rank {local_rank}), device: {device}, compute dtype: {dtype}")
+    experiment_dir = Path(args.save_dir) / args.experiment_name
+    experiment_dir.mkdir(parents=True, exist_ok=True)
+
+    # 1. The model: built from its config (untrained), cut into stages, split and sharded, initialized from the seed.
+    with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
+        config = AutoConfig.from_pretrained(args.model_name)
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name)
+    require(args.seq_length <= config.max_position_embeddings,
+            f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
+    # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
+    tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
+    mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
+    dp_mesh, pp_mesh, cp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)
+    stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
+    check_context_parallel(args, config)
+    # NOTE: tp splits the tokens of this rank's share of each sequence, and the heads attention gets.
+    check_tensor_parallel_degree(tp_degree, config, args.seq_length // args.cp)
+    require(args.cp_attention != "all-to-all" or config.num_key_value_heads % (tp_degree * args.cp) == 0,
+            f"{config.num_key_value_heads} key/value heads do not divide into --tp {tp_degree} x --cp {args.cp}; use "
+            "--cp-attention ring")
+    LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
+    load_balance = args.cp_load_balance == "on" and args.cp > 1
+    attn_implementation = attention_implementation() if args.cp == 1 else \
+        register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
+    # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
+    # to_empty() allocates only this rank's shards, and init_weights() fills them.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32)
+    num_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = get_flops_per_token(model, config, args.seq_length)
+    # NOTE: torchtitan's order: the pipeline split first, then on what this rank keeps, tensor parallelism
+    # (then chapter 05's activation checkpointing and compile would go), then FSDP per stage, over dp and cp.
+    stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank)
+    parallelize_model(model, tp_mesh)
+    for stage_module in stage_modules:
+        shard_model(stage_module, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.pp)
+        stage_module.to_empty(device=device)
+    init_weights(model, args.seed)
+    reset_rotary_embeddings(model, device)
+    # NOTE: this rank's tokens of each sequence (all of them without cp), at their positions in the sequence.
+    token_indices = get_token_indices(args.seq_length, cp_mesh.get_local_rank(), args.cp, load_balance, device)
+    DecoderStage.position_ids = token_indices.unsqueeze(0)
+    stages_held = ", ".join(f"stage {stage.stage_index} (layers {', '.join(stage.layers)})" for stage in stage_modules)
+    LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters; this rank runs {stages_held} of "
+                f"{args.pp * stages_per_rank}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+
+    # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
+    with rank_zero_first():
+        dataset = load_and_tokenize_dataset(args, tokenizer)
+    # NOTE: the ranks of a (pp, cp, tp) block read the same batch; data parallelism runs across the blocks.
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
+    samples_per_step = args.batch_size * args.grad_accum * dp_size
+    steps_per_epoch = len(dataset) // samples_per_step
+    require(steps_per_epoch > 0, f"{len(dataset)} sequences are fewer than one step's {samples_per_step}; use more "
+            "data or a smaller --batch-size, --grad-accum or --seq-length")
+    LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
+
+    # 3. The optimizer and the learning rate schedule.
+    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
+    adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
+    # NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too.
+    optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
+    max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
+
+    # 4. Resume from the experiment's latest checkpoint, if it has one.
+    train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
+    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
+    if checkpoint_dir is not None:
+        train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
+        LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
+
+    # 5. Experiment tracking: wandb and metrics.jsonl, on rank 0.
+    if rank == 0:
+        wandb.init(project=args.wandb_project, name=args.experiment_name, id=get_wandb_run_id(experiment_dir),
+                   resume="allow", dir=experiment_dir, mode=get_wandb_mode(args.wandb_mode), config=vars(args))
+        metrics_file = open(experiment_dir / "metrics.jsonl", "a")
+    peak_flops = get_peak_flops(device, dtype)
+
+    # 6. The training loop, one pipeline schedule per micro-step.
+    model.train()
+    # NOTE: each micro-batch's loss is its share of the step's mean over every label of every rank (chapter 09):
+    # the shares add up to chapter 01's loss, and FSDP sums the gradients.
+    loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1))
+    schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device)
+    micro_batches = get_micro_batches(dataset, args, train_state, device, dp_rank, dp_size)
+    first_step = train_state["step"] + 1
+    last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
+    progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True,
+                        disable=rank != 0)
+    read_and_reset_memory_stats(device)
+    tokens_since_log, time_of_last_log = 0, time.perf_counter()
+    for step in range(first_step, last_step + 1):
+        timer = FSDPPipelineStage.timer = StepTimer(device)
+        step_loss = torch.zeros((), device=device)
+        for _ in range(args.grad_accum):
+            with timer("data"):
+                input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
+            # NOTE: labels shifted before the cp split (a chunk's last label is the next chunk's first token); the
+            # first stage takes this rank's tokens, the last their labels; the schedule cuts them into micro-batches.
+            labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)[:, token_indices]
+            losses = [] if has_last_stage else None
+            # NOTE: loss_parallel(), around the schedule's backward too: the loss of logits split by vocabulary.
+            with timer("pipeline"), loss_parallel():
+                schedule.step(*([input_ids[:, token_indices]] if has_first_stage else []),
+                              target=labels if has_last_stage else None, losses=losses, return_outputs=False)
+            # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
+            if has_last_stage:
+                step_loss += torch.stack(losses).sum().detach().full_tensor()
+        with timer("update"):
+            grad_norm = clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, pp_mesh.get_group())
+            optimizer.step()
+            if step == first_step:
+                log_memory_held(model, optimizer)
+            lr_scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        train_state["step"] = step
+        train_state["samples_seen_in_epoch"] += samples_per_step
+        tokens_since_log += samples_per_step * args.seq_length
+        progress_bar.update()
+
+        if step % args.log_freq == 0 or step == last_step:
+            # NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.
+            dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+            step_loss /= tp_degree
+            # NOTE: .item() waits for the device: the only synchronization, and the clock then times the GPU.
+            loss_value = step_loss.item()
+            tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
+            tokens_since_log, time_of_last_log = 0, time.perf_counter()
+            times = timer.read_ms()
+            # NOTE: the rest of the pipeline span, this rank waited for its neighbours (the bubble) or transfers.
+            times["time_idle_ms"] = (times.pop("time_pipeline_ms") - times["time_forward_ms"]
+                                     - times["time_backward_ms"] - times["time_reduce_ms"])
+            record = {
+                "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
+                "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
+                "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
+                **read_and_reset_memory_stats(device), **times}
+            if rank == 0:
+                log_metrics(metrics_file, record)
+        if step % args.ckpt_freq == 0 or step == last_step:
+            save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank)
+
+    progress_bar.close()
+    if rank == 0:
+        metrics_file.close()
+        wandb.finish()
+    LOGGER.info(f"done: step {train_state['step']} of {max_steps}")
+    dist.destroy_process_group()
+
+
+# Arguments and logging
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(description="Train a Llama-style language model on one GPU, or on the CPU.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    group = parser.add_argument_group("model and data")
+    group.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
+                       help="hub name, or folder with config.json and the tokenizer")
+    group.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
+                       help="hub name, or a folder or file (.jsonl .json .csv .txt .parquet)")
+    group.add_argument("--dataset-subset", help="the configuration, if it has several")
+    group.add_argument("--text-column", default="text")
+    group.add_argument("--seq-length", type=int, default=256)
+    group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                       help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    group.add_argument("--num-workers", type=int, default=1)
+    group = parser.add_argument_group("training")
+    group.add_argument("--seed", type=int, default=0, help="of the weights and the sample order")
+    group.add_argument("--batch-size", type=int, default=8,
+                       help="sequences per dp rank and micro-step, cut into --pp-microbatches")
+    group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
+    group.add_argument("--weight-decay", type=float, default=0.1)
+    group.add_argument("--max-grad-norm", type=float, default=1.0)
+    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the experiment, resumes included")
+    group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
+    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps of this run")
+    group = parser.add_argument_group("checkpoints and logging")
+    group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
+    group.add_argument("--save-dir", default="outputs")
+    group.add_argument("--log-freq", type=int, default=10)
+    group.add_argument("--ckpt-freq", type=int, default=100)
+    group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
+                       help="default: online if logged in to wandb, else offline")
+    group.add_argument("--wandb-project", default="distributed-training-guide")
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
+    group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
+    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the GPUs of one node; on the CPU, 1)")
+    group.add_argument("--pp", type=int, default=1, help="pipeline stages; world size / pp pipelines run FSDP")
+    group.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b")
+    group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
+    group.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved)")
+    group.add_argument("--cp", type=int, default=1, help="context-parallel degree: ranks per sequence")
+    group.add_argument("--cp-attention", choices=["ring", "all-to-all"], default="ring",
+                       help="ring: key/value blocks passed around; all-to-all: sequence to head shards and back")
+    group.add_argument("--cp-load-balance", choices=["on", "off"], default="on",
+                       help="an early and a late chunk per cp rank (equal causal work); off: one chunk each")
+    return parser
+
+
+def parse_args():
+    args = get_parser().parse_args()
+    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
+                 "ckpt_freq", "dist_timeout"]:
+        value = getattr(args, name)
+        require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
+    return args
+
+
+def require(condition, message):
+    if not condition:
+        raise SystemExit(f"error: {message}")
+
+
+@contextlib.contextmanager
+def explain_load_errors(what, fix):
+    # NOTE: one line, not a traceback per rank; an empty file raises StopIteration, a bad one a DatasetsError.
+    try:
+        yield
+    except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
+        reason = (str(error.__cause__ or error).strip() or "it holds no data").splitlines()[0]
+        require(False, f"cannot load {what} ({reason}); {fix}")
+
+
+def get_distributed_environment(rdzv_timeout):
+    # NOTE: torchrun sets the variables init_process_group() reads; srun's and mpirun's are translated here (their job
+    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python train_llm.py` is a world of one.
+    environment = os.environ
+    if "RANK" in environment and "WORLD_SIZE" in environment:
+        launcher = "torchrun"
+    elif "SLURM_PROCID" in environment:
+        launcher = "srun"
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+                           LOCAL_RANK=environment["SLURM_LOCALID"])
+    elif "OMPI_COMM_WORLD_RANK" in environment:
+        launcher = "mpirun"
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
+    else:
+        launcher = "python (one process)"
+        environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        environment.setdefault("MASTER_PORT", str(find_free_port()))
+    # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
+    require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+            != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
+    require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
+            f"{launcher} without MASTER_ADDR and MASTER_PORT: export them in the job script (see job-srun.sbatch)")
+    rank = int(environment["RANK"])
+    if launcher in ("srun", "mpirun") and rank != 0:
+        wait_for_rendezvous(environment["MASTER_ADDR"], int(environment["MASTER_PORT"]), rdzv_timeout, rank)
+    return launcher, rank, int(environment["LOCAL_RANK"]), int(environment["WORLD_SIZE"])
+
+
+def wait_for_rendezvous(host, port, timeout, rank):
+    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank waiting until --dist-timeout.
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return
+        except OSError as error:
+            require(time.monotonic() <= deadline, f"rank {rank} on {socket.gethostname()} cannot reach {host}:{port} "
+                    f"in {timeout}s ({error}); check MASTER_ADDR, MASTER_PORT and the firewall")
+            time.sleep(1)
+
+
+def find_free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def setup_logging(rank):
+    logging.basicConfig(format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", datefmt="%H:%M:%S",
+                        level=logging.INFO, stream=sys.stdout)
+
+
+def get_device(local_rank):
+    # NOTE: with one GPU bound to each process (Slurm's --gpus-per-task=1), every process sees only cuda:0.
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    num_gpus = torch.cuda.device_count()
+    require(num_gpus <= 1 or local_rank < num_gpus, f"local rank {local_rank}, but only {num_gpus} GPUs visible: start "
+            "at most one process per GPU")
+    return torch.device("cuda", local_rank if num_gpus > 1 else 0)
+
+
+@contextlib.contextmanager
+def rank_zero_first():
+    # NOTE: rank 0 downloads and tokenizes alone while the others wait, in a gloo group with a day's timeout (longer
+    # than --dist-timeout); if it stops, it sends them its error and they stop with it.
+    waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
+    rank_zero_error = [None]
+    if dist.get_rank() != 0:
+        dist.broadcast_object_list(rank_zero_error, src=0, group=waiting_group)
+        require(rank_zero_error[0] is None, rank_zero_error[0])
+    try:
+        yield
+    except BaseException as error:
+        rank_zero_error[0] = (str(error).removeprefix("error: ") if isinstance(error, SystemExit)
+                              else f"rank 0 failed ({type(error).__name__}: {error}); see its traceback")
+        raise
+    finally:
+        if dist.get_rank() == 0:
+            dist.broadcast_object_list(rank_zero_error, src=0, group=waiting_group)
+        dist.destroy_process_group(waiting_group)
+
+
+# 1. The model
+
+
+def attention_implementation():
+    # NOTE: transformers' "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a
+    # name without a mask function, SDPA runs with is_causal=True instead.
+    AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
+    return "causal_sdpa"
+
+
+def check_tensor_parallel_degree(degree, config, seq_length):
+    # NOTE: each rank computes whole key/value heads and equal slices of the MLP, the vocabulary and the tokens.
+    sizes = (config.num_key_value_heads, config.intermediate_size, config.vocab_size, seq_length)
+    require(all(size % degree == 0 for size in sizes), f"the tensor-parallel degree {degree} does not divide the "
+            f"key/value heads, MLP width, vocabulary and --seq-length {sizes}; use a divisor of each")
+
+
+def get_device_mesh(device, world_size, tp_degree, pp_degree, cp_degree):
+    """The (dp, pp, cp, tp) mesh, Llama 3's order: the last dimension varies fastest, so tp's groups are consecutive
+    ranks (one node's GPUs, NVLink), then cp's, then pp's; dp, the outermost, is what is left of the world."""
+    degrees = tp_degree * pp_degree * cp_degree
+    require(min(tp_degree, pp_degree, cp_degree) >= 1 and world_size % degrees == 0, f"--tp {tp_degree} x --pp "
+            f"{pp_degree} x --cp {cp_degree} = {degrees} does not divide the world size {world_size}; use degrees "
+            f"whose product divides {world_size}")
+    return init_device_mesh(device.type, (world_size // degrees, pp_degree, cp_degree, tp_degree),
+                            mesh_dim_names=("dp", "pp", "cp", "tp"))
+
+
+# --pp-schedule's names of torch.distributed.pipelining's schedules (as get_schedule_class() knows them).
+PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+
+
+def check_pipeline_layout(args, world_size, config):
+    """The stages per rank and the micro-batches per micro-step, or a one-line error if they cannot be made."""
+    require(args.pp >= 1 and world_size % args.pp == 0,
+            f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}")
+    one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
+    stages_per_rank = args.pp_stages_per_rank or (1 if one_stage_per_rank else 2)
+    require(not one_stage_per_rank or stages_per_rank == 1, f"--pp-schedule {args.pp_schedule} runs one stage per "
+            f"rank, not --pp-stages-per-rank {stages_per_rank}; use interleaved-1f1b")
+    require(one_stage_per_rank or stages_per_rank >= 2, f"--pp-schedule {args.pp_schedule} needs 2 or more "
+            f"--pp-stages-per-rank, not {stages_per_rank}; or use --pp-schedule 1f1b")
+    num_stages, num_layers = args.pp * stages_per_rank, config.num_hidden_layers
+    require(num_stages <= num_layers, f"{num_stages} pipeline stages (--pp {args.pp} x {stages_per_rank} per rank) "
+            f"for {num_layers} decoder layers; use at most {num_layers}, or a smaller --pp")
+    require(num_stages <= 1 or not config.tie_word_embeddings, "tie_word_embeddings: the first and last stages "
+            "cannot share one weight; use one stage or an untied model")
+    num_microbatches = args.pp_microbatches or args.batch_size
+    require(num_microbatches >= 1 and args.batch_size % num_microbatches == 0, f"--pp-microbatches "
+            f"{num_microbatches} does not divide --batch-size {args.batch_size}; use a divisor of {args.batch_size}")
+    # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward.
+    require(args.pp_schedule != "1f1b" or num_microbatches >= num_stages, "--pp-schedule 1f1b needs at least one "
+            f"micro-batch per stage: use --pp-microbatches >= {num_stages}, or gpipe")
+    # NOTE: the interleaved schedule runs the micro-batches in equal rounds of up to --pp of them.
+    rounds = max(1, num_microbatches // args.pp)
+    require(one_stage_per_rank or num_microbatches % rounds == 0, f"--pp-microbatches {num_microbatches} cannot "
+            f"make {rounds} equal rounds of {args.pp_schedule}; use a multiple of --pp {args.pp}")
+    return stages_per_rank, num_microbatches
+
+
+def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
+    # NOTE: rank r keeps stages r, r + pp_degree, ... (the interleaved order); the others' modules become None. Its
+    # modules keep the whole model's names (model.layers.5...), which init_weights() and the checkpoints go by.
+    num_stages = pp_degree * stages_per_rank
+    num_layers = model.config.num_hidden_layers
+    # NOTE: the first num_layers % num_stages stages get one layer more than the others.
+    first_layers = [stage * (num_layers // num_stages) + min(stage, num_layers % num_stages)
+                    for stage in range(num_stages + 1)]
+    stage_indices = [pp_rank + pp_degree * local_index for local_index in range(stages_per_rank)]
+    model.model.layers = torch.nn.ModuleDict({str(index): model.model.layers[index] for stage in stage_indices
+                                              for index in range(first_layers[stage], first_layers[stage + 1])})
+    if 0 not in stage_indices:
+        model.model.embed_tokens = None
+    if num_stages - 1 not in stage_indices:
+        model.model.norm = None
+        model.lm_head = None
+    return [DecoderStage(model, stage, num_stages, range(first_layers[stage], first_layers[stage + 1]))
+            for stage in stage_indices]
+
+
+class DecoderStage(torch.nn.Module):
+    position_ids = None  # this rank's token positions, (1, tokens), set by main()
+    # NOTE: the model's own modules: the embeddings (first stage), a run of decoder layers, the norm and output head
+    # (last). Its forward maps the tokens (first stage) or the previous stage's hidden states to the next's.
+
+    def __init__(self, model, stage_index, num_stages, layer_indices):
+        super().__init__()
+        self.stage_index = stage_index
+        is_last = stage_index == num_stages - 1
+        self.embed_tokens = model.model.embed_tokens if stage_index == 0 else None
+        self.layers = torch.nn.ModuleDict({str(index): model.model.layers[str(index)] for index in layer_indices})
+        self.rotary_emb = model.model.rotary_emb
+        self.norm = model.model.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+
+    def forward(self, hidden_states):
+        if self.embed_tokens is not None:
+            hidden_states = self.embed_tokens(hidden_states)
+        # NOTE: each stage computes the rotary embeddings itself, at this rank's token positions (main() sets them:
+        # tp's and cp's splits leave hidden_states shorter), and needs no mask: the attention is causal by itself.
+        position_ids = self.position_ids
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        for layer in self.layers.values():
+            hidden_states = layer(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings,
+                                  use_cache=False)
+        return hidden_states if self.lm_head is None else self.lm_head(self.norm(hidden_states))
+
+
+def check_context_parallel(args, config):
+    """A split into equal chunks, with attention the chapter's forms compute: plain causal, no window, no dropout."""
+    if args.cp == 1:
+        return
+    chunks = 2 * args.cp if args.cp_load_balance == "on" else args.cp
+    require(args.seq_length % chunks == 0, f"--seq-length {args.seq_length} does not split into {chunks} equal chunks "
+            f"(--cp {args.cp}, load balancing {args.cp_load_balance}); use a multiple of {chunks}")
+    require(args.cp_attention != "all-to-all" or config.num_key_value_heads % args.cp == 0,
+            f"{config.num_key_value_heads} key/value heads do not divide into --cp {args.cp}; use --cp-attention ring")
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    require(not window, f"the model has sliding-window attention ({window}); use a model with full causal attention")
+    require(not getattr(config, "attention_dropout", 0.0), "the model has attention dropout; set it to 0 in its config")
+
+
+def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
+    """Register the split attention with transformers and no mask function (the layout says what a query sees)."""
+    name = f"context_parallel_{cp_attention.replace('-', '_')}"
+    form = ring_attention if cp_attention == "ring" else all_to_all_attention
+    AttentionInterface.register(name, functools.partial(form, cp_mesh=cp_mesh, load_balance=load_balance))
+    return name
+
+
+def parallelize_model(model, tp_mesh):
+    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise.
+    After the pipeline split, on the parts of the model this rank's stages hold: its layers (a dict), and the
+    embeddings, norm and head if it runs the first or last stage."""
+    held = dict(model.named_modules())
+    parallelize_module(model, tp_mesh, {key: style for key, style in {
+        # NOTE: whole embeddings: Hugging Face computes the positions from their length.
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                             use_local_output=True),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }.items() if key in held})
+    # NOTE: a tied head (Llama 3.2 1B) got its own DTensor, a second matrix: both Shard(0), it takes the embedding's.
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for layer in model.model.layers.values():
+        parallelize_module(layer, tp_mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+
+
+def shard_model(stage, dp_mesh, dtype, pp_degree):
+    # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
+    # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
+    # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
+    fsdp_config = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    layers = list(stage.layers.values())
+    for index, layer in enumerate(layers):
+        # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
+        # its backward comes right after. The root group stays gathered for the same reason.
+        # NOTE: with pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
+        fully_shard(layer, **fsdp_config, reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
+    fully_shard(stage, **fsdp_config, reshard_after_forward=False)
+    # NOTE: each rank's loss is already its share of the global mean: sum the gradients, not average them, with a
+    # plain SUM (FSDP would otherwise use NCCL's premultiplied sum, which gloo lacks).
+    for module in [*layers, stage]:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def init_weights(model, seed):
+    # NOTE: values depend on (seed, name, device type) only, not on how the model is split: every later chapter
+    # starts from these weights and reproduces this loss curve.
+    for name, param in model.named_parameters():
+        generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        full_value = torch.empty(param.shape, device=param.device).normal_(0, model.config.initializer_range,
+                                                                           generator=generator)
+        full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
+        # NOTE: param is this rank's shard (a DTensor): its slice of the full value, chapter 01's weights exactly.
+        param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
+
+
+@torch.no_grad()
+def reset_rotary_embeddings(model, device):
+    # NOTE: to_empty() left the rotary frequencies uninitialized: neither init_weights() nor a checkpoint restores them.
+    for module in model.modules():
+        if type(module).__name__.endswith("RotaryEmbedding"):
+            for name, buffer in type(module)(module.config).named_buffers():
+                module.register_buffer(name, buffer.to(device), persistent=False)
+
+
+# 1b. Attention across the split
+
+
+def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
+    """The positions of the tokens cp rank cp_rank holds: chunk cp_rank of cp_size, or with load balancing chunks
+    cp_rank and 2 x cp_size - 1 - cp_rank of 2 x cp_size (one early, one late: equal work under the causal mask)."""
+    chunks = 2 * cp_size if load_balance else cp_size
+    chunk = seq_length // chunks
+    owned = [cp_rank, chunks - 1 - cp_rank] if load_balance else [cp_rank]
+    return torch.cat([torch.arange(index * chunk, (index + 1) * chunk, device=device) for index in owned])
+
+
+def ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
+    """Ring attention as a transformers attention function, over this rank's tokens."""
+    output = RingAttention.apply(query, key, value, scaling, cp_mesh.get_group(), load_balance)
+    return output.transpose(1, 2), None
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's queries over the key/value blocks of the ring, merged by the online softmax;
+    backward passes the blocks around again, each with its gradient, which every rank adds to on the way."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale, group, load_balance):
+        batch, heads, tokens, head_dim = query.shape
+        # NOTE: laid out as o_proj's input, (batch, tokens, heads, head_dim): o_proj keeps this very tensor.
+        output = torch.zeros(batch, tokens, heads, head_dim, dtype=torch.float32, device=query.device).transpose(1, 2)
+        lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
+        for _, key_value, visible in ring_steps(torch.stack([key, value]), group, load_balance):
+            if visible is not None:
+                rows, columns, causal = visible
+                block_output, block_lse = attention_block(query[:, :, rows], key_value[0][:, :, columns],
+                                                          key_value[1][:, :, columns], scale, causal)
+                merge_block(output[:, :, rows], lse[:, :, rows], block_output, block_lse)
+        # NOTE: kept in the model's dtype, as FlashAttention keeps it: half the bytes of the fp32 merge.
+        output = output.to(query.dtype)
+        ctx.save_for_backward(query, key, value, output, lse)
+        ctx.scale, ctx.group, ctx.load_balance = scale, group, load_balance
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        query, key, value, output, lse = ctx.saved_tensors
+        # NOTE: the softmax's backward needs, per query, the sum of grad_output * output of the final output.
+        delta = (grad_output.float() * output.float()).sum(-1)
+        grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+        grad_key_value = torch.zeros((2, *key.shape), dtype=torch.float32, device=key.device)
+        for step, key_value, visible in ring_steps(torch.stack([key, value]), ctx.group, ctx.load_balance):
+            block_grads = None
+            if visible is not None:
+                rows, columns, causal = visible
+                block_grads = attention_block_backward(grad_output[:, :, rows], query[:, :, rows],
+                                                       key_value[0][:, :, columns], key_value[1][:, :, columns],
+                                                       lse[:, :, rows], delta[:, :, rows], ctx.scale, causal)
+                grad_query[:, :, rows] += block_grads[0]
+            if step > 0:
+                # NOTE: the gradient of the block this rank now holds, as far as the ranks before it computed it.
+                grad_key_value = receive_grad()
+            if block_grads is not None:
+                grad_key_value[0][:, :, columns] += block_grads[1]
+                grad_key_value[1][:, :, columns] += block_grads[2]
+            receive_grad = start_ring_pass(grad_key_value, ctx.group, tag=1)
+        # NOTE: the last pass brought this rank's own keys' and values' gradient home, complete.
+        grad_key, grad_value = receive_grad()
+        return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype), None, None, None
+
+
+def ring_steps(key_value, group, load_balance):
+    """Yield (step, the key/value block this rank holds, visible_block() of it) for the cp steps of a ring."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    for step in range(size):
+        if step < size - 1:
+            # NOTE: the next block travels while this one computes: communication overlaps compute.
+            receive = start_ring_pass(key_value, group, tag=0)
+        yield step, key_value, visible_block(rank, (rank - step) % size, key_value.shape[3], load_balance)
+        if step < size - 1:
+            key_value = receive()
+
+
+def start_ring_pass(tensor, group, tag):
+    """Send tensor to the next rank, receive the previous rank's; returns at once, with a function that waits for it."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    received = torch.empty_like(tensor)
+    requests = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, tensor, group=group, group_peer=(rank + 1) % size, tag=tag),
+        dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % size, tag=tag),
+    ])
+
+    def receive():
+        for request in requests:
+            request.wait()
+        return received
+    return receive
+
+
+def visible_block(rank, source, local_length, load_balance):
+    """Which of this rank's queries see which of the source rank's keys: (query rows, key columns, causal) or None.
+    Unbalanced, an earlier rank's block is all visible and a later one's not at all. Balanced, our queries see an
+    earlier rank's early half, and only our late half sees a later rank's block: half a block either way."""
+    everything = slice(None)
+    if source == rank:
+        return everything, everything, True
+    if not load_balance:
+        return (everything, everything, False) if source < rank else None
+    half = local_length // 2
+    if source < rank:
+        return everything, slice(0, half), False
+    return slice(half, None), everything, False
+
+
+def attention_block(query, key, value, scale, causal):
+    """softmax(query key^T x scale) value for one block, and each query's log-sum-exp: as in FlashAttention, the
+    products in the compute dtype, the softmax in fp32."""
+    scores = block_scores(query, key, scale, causal)
+    lse = scores.logsumexp(-1, keepdim=True)
+    output = scores.sub_(lse).exp_().to(value.dtype) @ value
+    return output.float().view(query.shape), lse.view(query.shape[:-1])
+
+
+def attention_block_backward(grad_output, query, key, value, lse, delta, scale, causal):
+    """The gradients of one block's queries, keys and values, from the final output's log-sum-exp and delta."""
+    batch, kv_heads, rows = key.shape[0], key.shape[1], query.shape[1] // key.shape[1] * query.shape[2]
+    # NOTE: the final log-sum-exp turns each block's scores into the block's share of the whole softmax.
+    probabilities = block_scores(query, key, scale, causal).sub_(lse.reshape(batch, kv_heads, rows, 1)).exp_()
+    probabilities = probabilities.to(value.dtype)
+    grad_output = grad_output.reshape(batch, kv_heads, rows, -1)
+    grad_value = probabilities.transpose(-1, -2) @ grad_output
+    # NOTE: the softmax's backward in fp32, on the gradient of the probabilities, then back to the compute dtype.
+    grad_scores = (grad_output @ value.transpose(-1, -2)).float().sub_(delta.reshape(batch, kv_heads, rows, 1))
+    grad_scores = grad_scores.mul_(probabilities).to(query.dtype)
+    grad_query = (grad_scores @ key * scale).view(query.shape)
+    grad_key = grad_scores.transpose(-1, -2) @ query.reshape(batch, kv_heads, rows, -1) * scale
+    return grad_query, grad_key, grad_value
+
+
+def block_scores(query, key, scale, causal):
+    """A block's scores, (batch, kv_heads, heads / kv_heads x queries, keys): multiplied in the compute dtype,
+    returned in fp32. The query heads of a key/value head are stacked as rows: keys are never repeated."""
+    batch, heads, num_queries, head_dim = query.shape
+    kv_heads, num_keys = key.shape[1], key.shape[2]
+    grouped_query = query.reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)
+    scores = (grouped_query @ key.transpose(-1, -2)).float().mul_(scale)
+    if causal:
+        future = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).triu(1)
+        scores.masked_fill_(future.repeat(heads // kv_heads, 1), float("-inf"))
+    return scores
+
+
+def merge_block(output, lse, block_output, block_lse):
+    """Fold one block's attention into the running output and log-sum-exp, in place: the two averages weighted
+    by their shares of the total, exp(lse_part - lse_total), are the average over all the keys."""
+    total_lse = torch.logaddexp(lse, block_lse)
+    output.mul_(torch.exp(lse - total_lse).unsqueeze(-1))
+    output.add_(block_output * torch.exp(block_lse - total_lse).unsqueeze(-1))
+    lse.copy_(total_lse)
+
+
+def all_to_all_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
+    """All-to-all (DeepSpeed-Ulysses) attention: whole sequences of heads / cp heads through SDPA, and back."""
+    group = cp_mesh.get_group()
+    size = dist.get_world_size(group)
+    # NOTE: the gathered tokens come in the ranks' order, not the sequence's (load balancing): layout maps them.
+    layout = torch.cat([get_token_indices(query.shape[2] * size, rank, size, load_balance, query.device)
+                        for rank in range(size)])
+    query, key, value = (sequence_to_head_shards(states, group, layout) for states in (query, key, value))
+    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                              enable_gqa=True)
+    return head_to_sequence_shards(output, group, layout).transpose(1, 2), None
+
+
+def sequence_to_head_shards(states, group, layout):
+    """(batch, heads, this rank's tokens, head_dim) -> (batch, heads / cp, all tokens in order, head_dim)."""
+    size = dist.get_world_size(group)
+    batch, heads, tokens, head_dim = states.shape
+    pieces = states.reshape(batch, size, heads // size, tokens, head_dim).transpose(0, 1).contiguous()
+    received = AllToAll.apply(pieces, group)
+    gathered = received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * tokens, head_dim)
+    return gathered.index_select(2, layout.argsort())
+
+
+def head_to_sequence_shards(states, group, layout):
+    """(batch, heads / cp, all tokens in order, head_dim) -> (batch, heads, this rank's tokens, head_dim)."""
+    size = dist.get_world_size(group)
+    batch, heads_here, seq_length, head_dim = states.shape
+    pieces = states.index_select(2, layout).reshape(batch, heads_here, size, seq_length // size, head_dim)
+    received = AllToAll.apply(pieces.permute(2, 0, 1, 3, 4).contiguous(), group)
+    return received.transpose(0, 1).reshape(batch, heads_here * size, seq_length // size, head_dim)
+
+
+class AllToAll(torch.autograd.Function):
+    """Piece j (of dimension 0) to rank j, rank j's back as piece j; backward: the same exchange of gradients."""
+
+    @staticmethod
+    def forward(ctx, pieces, group):
+        ctx.group = group
+        received = torch.empty_like(pieces)
+        dist.all_to_all_single(received, pieces, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad_received):
+        grad_received = grad_received.contiguous()
+        grad_pieces = torch.empty_like(grad_received)
+        dist.all_to_all_single(grad_pieces, grad_received, group=ctx.group)
+        return grad_pieces, None
+
+
+# 2. The data
+
+
+def load_and_tokenize_dataset(args, tokenizer):
+    key = json.dumps([args.dataset_name, args.dataset_subset, args.text_column, tokenizer.name_or_path, len(tokenizer),
+                      args.seq_length])
+    cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "train_llm" / f"{zlib.crc32(key.encode()):08x}"
+    if not cache_dir.exists():
+        LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
+        with explain_load_errors(f"-d {args.dataset_name}", "pass a hub name, or .jsonl .json .csv .txt .parquet"):
+            raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
+        columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
+        require(columns.get(args.text_column) in ("string", "large_string"),
+                f"no text column {args.text_column!r} (columns: {columns}); pass --text-column")
+        tokenized = raw_dataset.map(
+            lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
+            batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
+                                batched=True, batch_size=10_000, desc="chunking")
+        # NOTE: a temporary name, then renamed (dropped if another run's came first): never a partial cache.
+        temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
+        chunked.save_to_disk(temporary_dir)
+        try:
+            os.replace(temporary_dir, cache_dir)
+        except OSError:
+            shutil.rmtree(temporary_dir)
+    return datasets.load_from_disk(cache_dir).with_format("torch")
+
+
+def load_raw_dataset(dataset_name, dataset_subset):
+    path = Path(dataset_name)
+    if path.is_file():
+        builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    return datasets.load_dataset(dataset_name, dataset_subset, split="train")
+
+
+def cut_into_chunks(token_lists, seq_length):
+    stream = [token for tokens in token_lists for token in tokens]
+    return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
+
+
+def get_micro_batches(dataset, args, train_state, device, rank, world_size):
+    """Micro-batches, epoch after epoch, from train_state's data position."""
+    while True:
+        yield from get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
+                                  rank, world_size)
+        train_state["epoch"] += 1
+        train_state["samples_seen_in_epoch"] = 0
+
+
+def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
+    # NOTE: chapter 01's order of (seed, epoch) is cut at the global data position before DistributedSampler deals it
+    # out (rank r gets samples r, r + world_size, ...): a checkpoint of 2 ranks resumes exactly on 3.
+    sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
+    remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
+    sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
+    num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
+
+
+# 3. The optimizer and the learning rate schedule
+
+
+def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# 4. Checkpoints
+
+
+def find_latest_checkpoint(experiment_dir):
+    # NOTE: a checkpoint folder gets its final name only once it is complete, so any "checkpoint-*" is whole.
+    checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
+    return checkpoints[-1] if checkpoints else None
+
+
+def find_latest_checkpoint_on_rank_zero(experiment_dir):
+    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
+    choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
+def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):
+    """Every rank writes its own shards with torch.distributed.checkpoint (DCP); rank 0 adds the small files."""
+    started = time.perf_counter()
+    temporary_dir = experiment_dir / f"tmp-checkpoint-{train_state['step']:08d}"
+    if rank == 0:
+        shutil.rmtree(temporary_dir, ignore_errors=True)
+    dist.barrier()
+    # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    # NOTE: DCP saves one copy of the param group, which names this rank's parameters only: list every stage's, so
+    # the checkpoint loads at any --pp and in chapter 04.
+    names_per_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(names_per_rank, optimizer_state["param_groups"][0]["params"])
+    optimizer_state["param_groups"][0]["params"] = sorted(set().union(*names_per_rank))
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir)
+    if rank == 0:
+        write_checkpoint(experiment_dir, lr_scheduler, train_state, config)
+    dist.barrier()
+    LOGGER.info(f"checkpoint of step {train_state['step']} took {time.perf_counter() - started:.2f}s")
+
+
+def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
+    # NOTE: written into a temporary folder renamed once complete, and only then are older checkpoints deleted: a
+    # crash during the save leaves the previous checkpoint untouched.
+    final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
+    temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
+    torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
+               temporary_dir / "train_state.pt")
+    (temporary_dir / "model_config.json").write_text(config.to_json_string())
+    # NOTE: where -m came from, for convert_to_hf.py's tokenizer (a local folder made absolute).
+    model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
+    (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(temporary_dir, final_dir)
+    for old_dir in experiment_dir.glob("checkpoint-*"):
+        if old_dir != final_dir:
+            shutil.rmtree(old_dir)
+    LOGGER.info(f"saved {final_dir}")
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
+    saved = json.loads((checkpoint_dir / "model_config.json").read_text())
+    different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
+                 if saved.get(key) != getattr(config, key, None)]
+    require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
+    # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    # NOTE: weights_only: a checkpoint cannot run code. The RNG states must be CPU tensors, whoever wrote them.
+    train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
+    lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
+    set_rng_state(train_state.pop("rng"))
+    return train_state
+
+
+SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads"]
+
+
+# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
+def get_rng_state():
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(rng_state):
+    torch.set_rng_state(rng_state["cpu"])
+    if torch.is_tensor(rng_state["cuda"]) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng_state["cuda"])
+
+
+# 5. Experiment tracking
+
+
+def get_wandb_mode(requested_mode):
+    # NOTE: online if you are logged in to wandb, offline otherwise: never stop and ask for an API key.
+    return requested_mode or os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False)
+                                                              else "offline")
+
+
+def get_wandb_run_id(experiment_dir):
+    id_file = experiment_dir / "wandb_run_id.txt"
+    if not id_file.exists():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    return id_file.read_text().strip()
+
+
+def get_flops_per_token(model, config, seq_length):
+    # NOTE: PaLM's (appendix B) and torchtitan's formula: 6 per matmul weight, 12 * L * H * Q * T for attention.
+    # NOTE: the input embedding is a lookup, not a matmul, unless it is tied to the output head (Llama 3.2 1B, 3B).
+    num_params = sum(p.numel() for p in model.parameters()) - (
+        0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
+
+
+# Dense bf16 tensor-core peak, in FLOP/s: NVIDIA's data sheets (half their "with sparsity" figures; A10G: AWS's).
+PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
+                   "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
+
+
+def get_peak_flops(device, dtype):
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    device_name = torch.cuda.get_device_name(device)
+    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40", "H100 NVL" contains "H100".
+    for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if gpu in device_name:
+            return PEAK_BF16_FLOPS[gpu]
+    LOGGER.warning(f"no peak FLOP/s known for {device_name!r}: add it to PEAK_BF16_FLOPS for MFU")
+
+
+def read_and_reset_memory_stats(device):
+    if device.type != "cuda":
+        return {"memory_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}
+    stats = {"memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+             "memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1e9}
+    torch.cuda.reset_peak_memory_stats(device)
+    return stats
+
+
+def log_metrics(metrics_file, record):
+    mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
+    memory = " ".join(f"{key[:-3]} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
+    times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
+    LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
+                f" | ms: {times}")
+    wandb.log(record, step=record["step"])
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+
+
+class StepTimer:
+    # NOTE: CUDA kernels run asynchronously, so the CPU's clock would time their queueing: CUDA events go into the
+    # GPU's stream instead, read on logging steps only.
+
+    def __init__(self, device):
+        self.use_cuda_events = device.type == "cuda"
+        self.spans = []
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        start = self.now()
+        yield
+        self.spans.append((name, start, self.now()))
+
+    def now(self):
+        if not self.use_cuda_events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def read_ms(self):
+        if self.use_cuda_events:
+            torch.cuda.synchronize()
+        totals = collections.defaultdict(float)
+        for name, start, end in self.spans:
+            totals[f"time_{name}_ms"] += start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
+        return totals
+
+
+def log_memory_held(model, optimizer):
+    def megabytes(tensors):
+        return sum(getattr(tensor, "to_local", lambda: tensor)().nbytes for tensor in tensors) / 1e6
+
+    moments = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+               and value.dim() > 0]
+    LOGGER.info(f"memory held by this rank: parameters {megabytes(model.parameters()):.2f} MB, gradients "
+                f"{megabytes(p.grad for p in model.parameters() if p.grad is not None):.2f} MB, optimizer state "
+                f"{megabytes(moments):.2f} MB")
+
+
+# 6. The training loop: the pipeline
+
+
+def get_loss_function(model, config, num_labels):
+    """The last stage's loss of each micro-batch's logits and shifted labels: Hugging Face's sum over the micro-batch
+    divided by num_labels, the labels of the step on every rank; timed as forward."""
+    def loss_function(logits, labels):
+        with FSDPPipelineStage.timer("forward"):
+            return model.loss_function(logits=logits, labels=labels, shift_labels=labels, vocab_size=config.vocab_size,
+                                       num_items_in_batch=num_labels)
+    return loss_function
+
+
+def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device):
+    """The schedule of this rank's stages, and whether it runs the first stage (the tokens) and the last (the loss)."""
+    num_stages = pp_mesh.size() * len(stage_modules)
+    stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group())
+              for module in stage_modules]
+    schedule_class = get_schedule_class(PIPELINE_SCHEDULES[schedule_name])
+    one_stage_per_rank = issubclass(schedule_class, PipelineScheduleSingle)
+    schedule = schedule_class(stages[0] if one_stage_per_rank else stages, n_microbatches=num_microbatches,
+                              loss_fn=loss_fn, scale_grads=False)
+    return schedule, any(stage.is_first for stage in stages), any(stage.is_last for stage in stages)
+
+
+class FSDPPipelineStage(PipelineStage):
+    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in the step's timer."""
+    timer = None  # this step's StepTimer, set by main()
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.timer("forward"):
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.timer("backward"):
+            return super().backward_one_chunk(*args, **kwargs)
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        # NOTE: PipelineStage would keep FSDP's gradients unsharded in fp32 until the step's end; reduce-scatter each
+        # layer's in each backward instead, as chapter 04 does.
+        self.submod.set_is_last_backward(False)
+        self.submod.set_reshard_after_backward(self.group_size == 1)
+        return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
+
+    def perform_reduce_grad(self, grad_scale_factor):
+        with self.timer("reduce"):
+            return super().perform_reduce_grad(grad_scale_factor)
+
+
+@torch.no_grad()
+def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
+    # NOTE: clip_grad_norm_() sees this rank's stages only: each would clip by its own norm, silently. The stages'
+    # squared norms add up to the whole model's (as in torchtitan).
+    parameters = list(parameters)
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+    # NOTE: the gradients are FSDP shards (DTensors), and so is their norm: full_tensor() combines the shards'.
+    squared_norm = grad_norm.full_tensor() ** 2
+    dist.all_reduce(squared_norm, op=dist.ReduceOp.SUM, group=pp_group)
+    grad_norm = squared_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, grad_norm)
+    return grad_norm
+
+
+if __name__ == "__main__":
+    main()
