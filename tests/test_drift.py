@@ -149,6 +149,7 @@ LINEAGE = {
         "clip_grad_norm": "the gradient norm over the experts' mesh and the rest's",
         "get_flops_per_token": "MFU counts the active parameters: top-k of each layer's experts",
         "log_metrics": "the log line shows the auxiliary loss and the expert load",
+    },
     ("07", "11"): {
         "main": "a (dp, pp, cp, tp) mesh: the model cut into stages (chapter 08), then tensor parallelism and FSDP "
                 "over dp and cp on each stage, the attention across the split registered (chapter 09), each rank's "
