@@ -124,6 +124,13 @@ def test_the_load_balancing_loss_is_the_global_batchs_not_a_mean_of_per_rank_los
           f"{per_rank[1]:.6f}), difference {per_rank_mean - global_aux:+.6f} ({(per_rank_mean / global_aux - 1):+.2%});"
           f" chapter 10 at ep 2 logged {logged:.6f}")
     assert abs(logged - global_aux) <= 1e-6 * global_aux
+    # The expert load of step 1: each layer's top-k choices of the whole batch per expert, over their mean.
+    counts = torch.stack([torch.bincount(layer.softmax(-1).topk(config.num_experts_per_tok).indices.flatten(),
+                                         minlength=config.num_experts) for layer in output.router_logits]).double()
+    load = counts / counts.mean(1, keepdim=True)
+    first = read_metrics(experiment)[0]
+    expected = (load.max().item(), load.min().item())
+    assert (first["expert_load_max"], first["expert_load_min"]) == pytest.approx(expected, abs=1e-6)
     # The per-rank mean is another number: a test that could not tell them apart would prove nothing.
     assert abs(per_rank_mean - global_aux) >= 100 * 1e-6 * global_aux
 
