@@ -462,8 +462,9 @@ def expert_parallel_experts(experts, hidden_states, top_k_index, top_k_weights, 
     outputs = torch.nn.functional.grouped_mm(experts._apply_gate(hidden), down_proj.transpose(1, 2), offs=offsets)
     outputs = torch.zeros_like(outputs).index_copy(0, by_expert, outputs)
     returned = funcol.all_to_all_single_autograd(outputs, send_sizes, receive_sizes, ep_group)
-    weighted = returned * top_k_weights.flatten()[order].unsqueeze(1)
-    return torch.zeros_like(hidden_states).index_add(0, order // top_k, weighted.to(hidden_states.dtype))
+    weighted = torch.zeros_like(returned).index_copy(0, order, returned * top_k_weights.flatten()[order].unsqueeze(1))
+    # NOTE: a sum over each token's top_k rows, not index_add: deterministic, and accumulated in fp32 under bf16.
+    return weighted.view(-1, top_k, weighted.shape[1]).sum(1).to(hidden_states.dtype)
 
 
 class LoadBalancingLoss:

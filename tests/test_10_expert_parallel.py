@@ -29,12 +29,15 @@ STEPS, HALF = 6, 3
 GLOBAL_BATCH, SEQ_LENGTH = 4, 64
 COMMON = ["--max-steps", str(STEPS), "--seq-length", str(SEQ_LENGTH), "--wandb-mode", "disabled"]
 
-# name: (processes, the flags; --batch-size per rank is 4 / processes). Clipping at 1.0 binds at every step, except
-# in the case with NO_CLIPPING (and its reference run).
+# name: (processes, the flags; --batch-size per rank is 4 / processes / grad-accum). Clipping at 1.0 binds at every
+# step, except in the case with NO_CLIPPING (and its reference run).
 LAYOUTS = {
     "ep2": (2, ["--ep", "2"]),
     "ep4": (4, ["--ep", "4"]),
     "ep2xedp2": (4, ["--ep", "2", *NO_CLIPPING]),
+    # 2 micro-batches of 2 sequences: chapter 01 at --batch-size 2 --grad-accum 2 sees the same ones (rank r holds
+    # sequences r and r + 2), and the load-balancing loss is each micro-batch's, in both.
+    "ep2 grad-accum 2": (2, ["--ep", "2", "--grad-accum", "2"]),
 }
 
 
@@ -42,13 +45,21 @@ def clipping(case):
     return NO_CLIPPING if NO_CLIPPING[0] in LAYOUTS[case][1] else []
 
 
+def grad_accum(case):
+    flags = LAYOUTS[case][1]
+    return int(flags[flags.index("--grad-accum") + 1]) if "--grad-accum" in flags else 1
+
+
 def reference_run(runs, env, case="ep2"):
-    return runs.train("01", env, "-m", MOE_MODEL, *COMMON, "--batch-size", str(GLOBAL_BATCH), *clipping(case))
+    accum = ["--grad-accum", str(grad_accum(case))] if grad_accum(case) > 1 else []
+    return runs.train("01", env, "-m", MOE_MODEL, *COMMON, "--batch-size", str(GLOBAL_BATCH // grad_accum(case)),
+                      *accum, *clipping(case))
 
 
 def layout_run(runs, env, case, *extra):
     nproc, flags = LAYOUTS[case]
-    return runs.train("10", env, *COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // nproc), *extra, nproc=nproc)
+    return runs.train("10", env, *COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // nproc // grad_accum(case)),
+                      *extra, nproc=nproc)
 
 
 @pytest.mark.parametrize("case", LAYOUTS)
@@ -113,6 +124,13 @@ def test_the_load_balancing_loss_is_the_global_batchs_not_a_mean_of_per_rank_los
           f"{per_rank[1]:.6f}), difference {per_rank_mean - global_aux:+.6f} ({(per_rank_mean / global_aux - 1):+.2%});"
           f" chapter 10 at ep 2 logged {logged:.6f}")
     assert abs(logged - global_aux) <= 1e-6 * global_aux
+    # The expert load of step 1: each layer's top-k choices of the whole batch per expert, over their mean.
+    counts = torch.stack([torch.bincount(layer.softmax(-1).topk(config.num_experts_per_tok).indices.flatten(),
+                                         minlength=config.num_experts) for layer in output.router_logits]).double()
+    load = counts / counts.mean(1, keepdim=True)
+    first = read_metrics(experiment)[0]
+    expected = (load.max().item(), load.min().item())
+    assert (first["expert_load_max"], first["expert_load_min"]) == pytest.approx(expected, abs=1e-6)
     # The per-rank mean is another number: a test that could not tell them apart would prove nothing.
     assert abs(per_rank_mean - global_aux) >= 100 * 1e-6 * global_aux
 
