@@ -560,6 +560,18 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
             # NOTE: an untied copy has more FLOPs per token than the probe counted: its row gives its own MFU only.
             run.main_model = model == args.model
             plan.append(run)
+        if "10-expert-parallel" in chapters:
+            # NOTE: the card's model is dense: chapter 10's own MoE path (grouped_mm, the all-to-alls, the global
+            # load-balancing loss) runs on the tiny Qwen3-MoE, against chapter 01 on the same model.
+            moe, moe_args = str(REPO / "data" / "tiny-qwen3-moe"), ["--seq-length", "256"]
+            for name, chapter, options, reference in [
+                    ("01-single-gpu+moe", REFERENCE_CHAPTER, moe_args, None),
+                    ("10-expert-parallel+moe", "10-expert-parallel", [*moe_args, "--ep", str(nproc)],
+                     "01-single-gpu+moe")]:
+                run = training_run(name, chapter, options, model=moe, kind="option", reference=reference,
+                                   min_records=2, timeout=180, note="the tiny Qwen3-MoE (8 experts, top-2)")
+                run.main_model = False
+                plan.append(run)
 
     # 3. Checks: LOCAL_RANK=1 with one visible GPU (every chapter but 01), on the tiny model.
     if "checks" in parts:

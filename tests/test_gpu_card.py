@@ -94,6 +94,9 @@ def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
             assert record["loss_match"]["match"] and record["loss_match"]["max_difference"] <= 1e-4, record
             assert "✓" in row.split("|")[-2]
     assert "08-pipeline-parallel" not in CHAPTER_DIRS or "--pp 1" in markdown
+    # Chapter 10's experts on the tiny Qwen3-MoE, against chapter 01 on the same model.
+    assert runs["01-single-gpu+moe"]["status"] == "ok" and runs["10-expert-parallel+moe"]["status"] == "ok"
+    assert runs["10-expert-parallel+moe"]["loss_match"]["max_difference"] <= 1e-4, runs["10-expert-parallel+moe"]
     ring_block = card["ring_block"]["09-context-parallel"]
     assert [row["tokens"] for row in ring_block["rows"]] == [64, 256] and "ring attention block on one cpu" in markdown
 
