@@ -159,7 +159,7 @@ def resumed(runs, env, experiment, nproc, *flags):
 
 def test_resume_is_exact(env, runs):
     _, straight = layout_run(runs, env, "ep2")
-    resumed_dir = resumed(runs, env, "resumed-same", 2, "--ep", "2", "--batch-size", "2")
+    resumed_dir = resumed(runs, env, "10-resumed-same", 2, "--ep", "2", "--batch-size", "2")
     difference = max_difference(read_losses(straight), read_losses(resumed_dir))
     print(f"\nresume ep 2: {STEPS} steps straight vs {HALF} + {STEPS - HALF}: largest loss difference {difference:.1e}")
     assert difference <= 1e-6
@@ -169,7 +169,7 @@ def test_resume_is_exact(env, runs):
 def test_resume_at_another_ep_reshards_the_experts(env, runs):
     # ep 2 (4 experts per rank, 2 sequences each) -> ep 4 (2 experts per rank, 1 sequence each): the same batches.
     _, straight = layout_run(runs, env, "ep2")
-    resumed_dir = resumed(runs, env, "resumed-ep4", 4, "--ep", "4", "--batch-size", "1")
+    resumed_dir = resumed(runs, env, "10-resumed-ep4", 4, "--ep", "4", "--batch-size", "1")
     difference = max_difference(read_losses(straight), read_losses(resumed_dir))
     print(f"\nresume ep 2 -> ep 4 after step {HALF}: largest loss difference {difference:.1e}")
     assert difference <= 1e-4
