@@ -154,10 +154,15 @@ def test_every_tool_answers_help(env, tmp_path, tool):
 CHAPTER_READMES = sorted(REPO.glob("[0-9][0-9]-*/README.md"))
 BASE = {chapter: base for base, chapter in __import__("test_drift").LINEAGE}
 FENCED_BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
-# The parts every chapter's README has, in this order: "## Quick start on a CPU", then the chapter's concepts under
-# headings of their own (one at least), then these four. Chapter 01 has no base: its code is "## The code".
-LAST_HEADINGS = ["## The code changes", "## Running it on GPUs", "## Measured numbers", "## Next"]
+# The parts every chapter's README has, in this order: a contents list, the paragraph of what it solves, "## Quick
+# start on a CPU", then the chapter's concepts under headings of their own (one at least), then these four: the
+# lesson ends at "## Next", and "## Notes and measurements" holds the tables, tolerances and library internals.
+# Chapter 01 has no base: its code is "## The code".
+NOTES = "## Notes and measurements"
+LAST_HEADINGS = ["## The code changes", "## Running it on GPUs", "## Next", NOTES]
 MAX_DIFF_LINES, MAX_EXCERPT_LINES = 40, 15
+MAX_LESSON_WORDS, MAX_TOP_LEVEL_WORDS = 2500, 1500
+CONTENTS_ENTRY = re.compile(r"^[-*] \[[^\]]+\]\(#([^)\s]+)\)", re.MULTILINE)
 
 
 def top_level_headings(text):
@@ -194,6 +199,46 @@ def test_every_chapter_readme_has_the_common_structure(readme):
     assert not long_diffs, f"diff blocks of {long_diffs} lines: explain the change, the reader runs diff -u"
 
 
+def heading_anchor(heading):
+    return re.sub(r"[^\w\- ]", "", heading.lstrip("#").strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("readme", CHAPTER_READMES, ids=lambda path: path.parent.name)
+def test_every_chapter_readme_opens_with_its_contents_and_keeps_the_lesson_short(readme):
+    text = readme.read_text()
+    headings, preamble = top_level_headings(text)
+    contents = CONTENTS_ENTRY.findall(preamble)
+    assert contents == [heading_anchor(heading) for heading in headings], \
+        "the text before the first section holds a contents list ('- [Section](#anchor)', one line each) of every " \
+        f"'## ' section in order: {contents} against {[heading_anchor(heading) for heading in headings]}"
+    lesson = text[:text.index(f"\n{NOTES}\n")]
+    words = len(lesson.split())
+    assert words <= MAX_LESSON_WORDS, f"{words} words before {NOTES!r}: the lesson is at most {MAX_LESSON_WORDS}; " \
+                                      f"move tables, tolerances and library internals to {NOTES!r}"
+
+
+def test_the_top_level_readme_is_short():
+    words = len((REPO / "README.md").read_text().split())
+    assert words <= MAX_TOP_LEVEL_WORDS, f"README.md has {words} words, at most {MAX_TOP_LEVEL_WORDS}: details " \
+                                         "belong in the chapters and tests/README.md"
+
+
+TRACKER_REFERENCE = re.compile(r"\bissues? #?\d{1,3}\b|\bthe issue's\b|\(#\d{1,3}\)", re.IGNORECASE)
+
+
+def test_no_file_names_the_project_tracker():
+    # NOTE: the repository is read without its tracker: a tracker number means nothing to a reader. Upstream issues are
+    # named with their project (torchtitan's issue 596 is upstream and allowed).
+    files = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.sh", "*.sbatch"], cwd=REPO, capture_output=True,
+                           text=True, check=True).stdout.split()
+    found = [f"{name}:{number}: {line.strip()[:80]}" for name in files if (REPO / name).is_file()
+             for number, line in enumerate((REPO / name).read_text().splitlines(), 1)
+             for match in TRACKER_REFERENCE.finditer(line)
+             if not re.search(r"(torchtitan|pytorch|transformers|nanochat|accelerate|deepspeed)\S*\s*$",
+                              line[:match.start()], re.IGNORECASE)]
+    assert not found, "references to this project's tracker:\n" + "\n".join(found)
+
+
 def heading_anchors(text):
     """GitHub's anchors of a Markdown text's headings: lower case, punctuation dropped, spaces as hyphens."""
     headings, in_code = [], False
@@ -201,7 +246,7 @@ def heading_anchors(text):
         if line.lstrip().startswith("```"):
             in_code = not in_code
         elif not in_code and re.match(r"#{1,6} ", line):
-            headings.append(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+            headings.append(heading_anchor(line))
     return set(headings)
 
 
