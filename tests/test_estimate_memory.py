@@ -257,7 +257,7 @@ def test_tensor_parallel_sends_what_chapter_06_says_per_layer(measured_runs, env
 # ---------------------------------------------------------------------------------------------------------------------
 # Chapter 10's expert parallelism (--ep), against FSDP2 and DTensor's own sharding of a meta-device Qwen3-MoE under
 # PyTorch's fake process group (no chapter run: the tiny MoE model and the chapter come with chapter 10). The rule
-# World = edp x ep ranks on a mesh ("edp", "ep"), ep fastest; the experts' 3D tensors Shard(0) over ep,
+# is: world = edp x ep ranks on a mesh ("edp", "ep"), ep fastest; the experts' 3D tensors Shard(0) over ep,
 # then fully_shard over edp with Shard(1), a group of their own inside their layer's; the rest FSDP-sharded over all
 # ranks as in chapter 04 (a group per decoder layer and the root).
 
