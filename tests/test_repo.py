@@ -9,6 +9,7 @@ gradient norms and log lines, its exit status and signals."""
 import ast
 import itertools
 import json
+import os
 import re
 import signal
 import subprocess
@@ -402,6 +403,22 @@ def render_problems(text):
 def test_every_markdown_file_renders_as_written(readme):
     problems = render_problems(readme.read_text())
     assert not problems, f"{readme.relative_to(REPO)}: " + "; ".join(problems)
+
+
+MERMAID_CHECK = REPO / ".ci" / "mermaid" / "check.mjs"
+
+
+def test_every_mermaid_diagram_parses(tmp_path):
+    # NOTE: mermaid's own parser (in node, installed by .ci/run: npm ci --prefix .ci/mermaid); CI always runs it.
+    if not (MERMAID_CHECK.parent / "node_modules").is_dir() and os.environ.get("CI") != "true":
+        pytest.skip("npm ci --prefix .ci/mermaid installs the mermaid parser")
+    files = [readme for readme in ALL_READMES if "```mermaid" in readme.read_text()]
+    broken = tmp_path / "broken.md"
+    broken.write_text("```mermaid\nflowchart LR\n  A[a (b)] --> B\n```\n")
+    result = subprocess.run(["node", MERMAID_CHECK, *files, broken], capture_output=True, text=True, timeout=120)
+    lines = result.stdout.splitlines()
+    assert lines[-1].startswith(f"FAIL {broken} #0: Parse error"), result.stdout + result.stderr
+    assert len(lines) >= 5 and all(line.startswith("ok ") for line in lines[:-1]), result.stdout + result.stderr
 
 
 def test_the_render_check_finds_what_breaks_rendering():
