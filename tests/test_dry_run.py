@@ -1,12 +1,13 @@
 """tools/dry_run.py: one rank of a job under the fake process group and FakeTensorMode, with the chapters' own code,
 against what a real gloo run of the chapter holds (tools/measure_step.py) and against tools/estimate_memory.py."""
 
+import json
 import sys
 import time
 
 import pytest
 
-from helpers import REPO, TINY_MODEL, torchrun, train
+from helpers import REPO, TINY_MODEL, run, torchrun, train
 
 sys.path.insert(0, str(REPO / "tools"))
 import dry_run  # noqa: E402
@@ -94,3 +95,23 @@ def test_8b_context_parallel_at_64_ranks_holds_the_estimate_and_peaks_near_it():
 def test_a_layout_the_chapter_rejects_ends_with_its_one_line_error():
     with pytest.raises(SystemExit, match=r"^error: the tensor-parallel degree 8 does not divide the key/value heads"):
         run_dry("07", [*TINY_ARGS, "--tp", "8"], 8)
+
+
+@pytest.mark.parametrize("name", ["04", "04-fully-sharded-data-parallel", "04-fully-sharded-data-parallel/",
+                                  "./04-fully-sharded-data-parallel/"])
+def test_the_chapter_is_accepted_as_a_reader_types_it(name):
+    assert dry_run.chapter_number(name) == "04"
+
+
+@pytest.mark.parametrize("name", ["4", "04-tensor-parallel", "12", "04x"])
+def test_a_name_that_is_no_chapter_is_refused(name):
+    with pytest.raises(Exception, match="is not a chapter; give one of 01, 02"):
+        dry_run.chapter_number(name)
+
+
+def test_json_output_is_the_json_alone_for_jq(env, tmp_path):
+    # NOTE: the chapter's log lines (stdout in a training run) go to stderr, so `dry_run.py ... --json | jq` works.
+    result = run([sys.executable, REPO / "tools" / "dry_run.py", "04-fully-sharded-data-parallel/",
+                  "--nproc-per-node", "2", "--json", *TINY_ARGS], env, tmp_path, timeout=300)
+    assert json.loads(result.stdout)["chapter"] == "04-fully-sharded-data-parallel"
+    assert "memory held by this rank" in result.stderr

@@ -55,7 +55,8 @@ class DryRunDone(Exception):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s CHAPTER --nnodes N "
                                      "--nproc-per-node G [--rank R] [--json] [CHAPTER'S ARGUMENTS ...]")
-    parser.add_argument("chapter", choices=sorted(CHAPTERS), help="the chapter's number, e.g. 04")
+    parser.add_argument("chapter", type=chapter_number, help="the chapter: its number (04) or its folder "
+                        "(04-fully-sharded-data-parallel/)")
     parser.add_argument("--nnodes", type=int, default=1)
     parser.add_argument("--nproc-per-node", type=int, default=8)
     parser.add_argument("--rank", type=int, default=0, help="the rank to run (default 0)")
@@ -67,13 +68,23 @@ def main():
     if not any(arg == "--dtype" or arg.startswith("--dtype=") for arg in chapter_args):
         chapter_args = [*chapter_args, "--dtype", "bfloat16"]
     started, cpu_started = time.perf_counter(), time.process_time()
-    result = dry_run(args.chapter, chapter_args, args.rank, args.nproc_per_node, world_size)
+    # NOTE: with --json, stdout holds the JSON alone (for jq): the chapter's log lines go to stderr.
+    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+        result = dry_run(args.chapter, chapter_args, args.rank, args.nproc_per_node, world_size)
     result["seconds"], result["cpu_seconds"] = time.perf_counter() - started, time.process_time() - cpu_started
     result["estimate"] = estimate(args.chapter, chapter_args, args.rank, args.nproc_per_node, world_size)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print_table(result)
+
+
+def chapter_number(name):
+    """A chapter's number from what a reader types: 04, 04-fully-sharded-data-parallel or its folder with a slash."""
+    number = Path(name).name[:2]
+    if number not in CHAPTERS or Path(name).name not in (number, CHAPTERS[number].name):
+        raise argparse.ArgumentTypeError(f"{name!r} is not a chapter; give one of {', '.join(sorted(CHAPTERS))}")
+    return number
 
 
 def load_chapter(chapter):
