@@ -1,6 +1,6 @@
-"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained. Each row of --tp
-ranks splits every layer (chapter 06), --cp rows split every sequence (chapter 09), --pp groups of those run one
-pipeline stage each (chapter 08), and FSDP shards every stage over the data-parallel ranks that are left (chapter 04).
+"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained. parallelize() cuts
+the model into pipeline stages (chapter 08), splits their layers over --tp ranks (chapter 06) and their sequences over
+--cp ranks (chapter 09), and shards each stage with FSDP over the data-parallel ranks left (chapter 04).
 
     torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
     # 64 nodes of 8 GPUs: tp 8 in a node, cp 4 and pp 8 across nodes, dp 2 (what is left), with chapter 03's job script:
@@ -418,8 +418,8 @@ def check_tensor_parallel_degree(degree, config, seq_length):
 
 
 def get_device_mesh(device, world_size, tp_degree, pp_degree, cp_degree):
-    """The (dp, pp, cp, tp) mesh, Llama 3's order: the last dimension varies fastest, so tp's groups are consecutive
-    ranks (one node's GPUs, NVLink), then cp's, then pp's; dp, the outermost, is what is left of the world."""
+    # NOTE: Llama 3's order: the last dimension varies fastest, so a tp group is consecutive ranks (a node's GPUs, on
+    # NVLink), then cp, then pp; dp, the outermost, is what is left of the world.
     degrees = tp_degree * pp_degree * cp_degree
     require(min(tp_degree, pp_degree, cp_degree) >= 1 and world_size % degrees == 0, f"--tp {tp_degree} x --pp "
             f"{pp_degree} x --cp {cp_degree} = {degrees} does not divide the world size {world_size}; use degrees "
@@ -529,9 +529,8 @@ def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
 
 
 def parallelize_model(model, tp_mesh):
-    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise.
-    After the pipeline split, on the parts of the model this rank's stages hold: its layers (a dict), and the
-    embeddings, norm and head if it runs the first or last stage."""
+    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise."""
+    # NOTE: after the pipeline split: only the parts this rank's stages hold, its layers a dict.
     held = dict(model.named_modules())
     parallelize_module(model, tp_mesh, {key: style for key, style in {
         # NOTE: whole embeddings: Hugging Face computes the positions from their length.
