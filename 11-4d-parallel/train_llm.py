@@ -497,7 +497,8 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden_states):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(hidden_states)
-        # NOTE: no mask: the attention is causal by itself.
+        # NOTE: each stage computes the rotary embeddings itself, at the positions it is given, and needs no mask:
+        # the attention is causal by itself.
         position_ids = self.position_ids
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers.values():
@@ -1110,8 +1111,8 @@ class FSDPPipelineStage(PipelineStage):
         with self.timer("backward"):
             return super().backward_one_chunk(*args, **kwargs)
 
-    # NOTE: a workaround, for torch 2.11 to 2.15: their PipelineStage defers FSDP's reduce-scatter to the step's end
-    # (pytorch #165106), holding whole fp32 gradients until then; each layer's are reduce-scattered at once here.
+    # NOTE: a workaround for torch 2.11 to 2.15 (tested), whose PipelineStage defers FSDP's reduce-scatter to the step's
+    # end (pytorch #165106): whole fp32 gradients until then. Here each layer's are reduce-scattered in its backward.
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         self.submod.set_is_last_backward(False)
         self.submod.set_reshard_after_backward(self.group_size == 1)

@@ -1,7 +1,7 @@
 """What a chapter changes against its base: `diff -u BASE/train_llm.py CHAPTER/train_llm.py`, without the definitions
 the chapter copies byte for byte from another chapter (tests/test_drift.py's COPIES, which that test keeps identical
-to their sources) and its base does not have. For chapter 11 that leaves its own changes to chapter 07: the pipeline it takes from chapter 08
-and the split attention it takes from chapter 09 are left out, and named on stderr.
+to their sources) and its base does not have. For chapter 11 that leaves its own changes to chapter 07: the pipeline
+it takes from chapter 08 and the split attention it takes from chapter 09 are left out, and named on stderr.
 
     python tools/diff_chapters.py 07 11
     python tools/diff_chapters.py 07 11 --keep-copies    # the whole diff, as diff -u prints it
