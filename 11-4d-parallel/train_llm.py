@@ -85,6 +85,8 @@ def main():
     # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
+    # NOTE: a sub-mesh is looked up once: mesh["pp"] reads the rank map on the host, a sync in every step.
+    dp_mesh, pp_mesh, cp_mesh = mesh["dp"], mesh["pp"], mesh["cp"]
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     check_context_parallel(args, config)
     # NOTE: tp splits the tokens of this rank's share of each sequence, and the heads attention gets.
@@ -102,7 +104,7 @@ def main():
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
     # NOTE: this rank's tokens of each sequence (all of them without cp), at their positions in the sequence.
     load_balance = args.cp_load_balance == "on" and args.cp > 1
-    token_indices = get_token_indices(args.seq_length, mesh["cp"].get_local_rank(), args.cp, load_balance, device)
+    token_indices = get_token_indices(args.seq_length, cp_mesh.get_local_rank(), args.cp, load_balance, device)
     stage_modules = parallelize(model, mesh, args, dtype, stages_per_rank, token_indices)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
@@ -115,7 +117,7 @@ def main():
     with rank_zero_first():
         dataset = load_and_tokenize_dataset(args, tokenizer)
     # NOTE: the ranks of a (pp, cp, tp) block read the same batch; data parallelism runs across the blocks.
-    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     samples_per_step = args.batch_size * args.grad_accum * dp_size
     steps_per_epoch = len(dataset) // samples_per_step
     require(steps_per_epoch > 0, f"{len(dataset)} sequences are fewer than one step's {samples_per_step}; use more "
@@ -153,7 +155,7 @@ def main():
     timer = StepTimer(device)
     loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1), timer)
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
-        stage_modules, args.pp_schedule, num_microbatches, loss_fn, timer, mesh["pp"], device)
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, timer, pp_mesh, device)
     micro_batches = get_micro_batches(dataset, args, train_state, device, dp_rank, dp_size)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -179,7 +181,7 @@ def main():
             if has_last_stage:
                 step_loss += torch.stack(losses).sum().detach().full_tensor()
         with timer("update"):
-            grad_norm = clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, mesh["pp"].get_group())
+            grad_norm = clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, pp_mesh.get_group())
             optimizer.step()
             if step == first_step:
                 log_memory_held(model, optimizer)
