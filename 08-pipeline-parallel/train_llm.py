@@ -33,7 +33,7 @@ import wandb
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -60,7 +60,9 @@ def main():
     device = get_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+        # NOTE: with --cpu-offload, clip_grad_norm_ all-reduces norms of CPU gradients: a gloo backend for CPU tensors.
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device,
+                                timeout=timeout)
     else:
         dist.init_process_group(backend="gloo", timeout=timeout)
     auto_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -75,6 +77,7 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
+    require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     # NOTE: pp first: consecutive ranks (a node's GPUs) shard one stage; only activations cross to the next node.
     mesh = init_device_mesh(device.type, (args.pp, world_size // args.pp), mesh_dim_names=("pp", "dp"))
@@ -88,10 +91,13 @@ def main():
     # NOTE: counted on the whole model, before it is cut: every token goes through every stage once.
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
-    stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank)
+    # NOTE: every stage computes the rotary embeddings itself, at the sequence's positions.
+    position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0)
+    stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank, position_ids)
     for stage_module in stage_modules:
-        shard_model(stage_module, dp_mesh, dtype, args.pp)
-        stage_module.to_empty(device=device)
+        # NOTE: with pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
+        shard_model(stage_module, dp_mesh, dtype, args.cpu_offload, reshard_after_forward=args.pp == 1)
+        stage_module.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
     reset_rotary_embeddings(model, device)
     stages_held = ", ".join(f"stage {stage.stage_index} (layers {', '.join(stage.layers)})" for stage in stage_modules)
@@ -112,7 +118,7 @@ def main():
     # 3. The optimizer and the learning rate schedule.
     # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
-    # NOTE: the parameters are this rank's shards, so AdamW's moments are sharded too.
+    # NOTE: the parameters are this rank's shards, so AdamW's moments are sharded too (with --cpu-offload, on the CPU).
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -136,9 +142,11 @@ def main():
     model.train()
     # NOTE: each micro-batch's loss is its mean divided by the step's micro-batches: their sum is chapter 01's loss.
     # scale_grads=False in the schedule then, or it would divide the gradients by their number a second time.
-    loss_fn = get_loss_function(model, config, num_microbatches * args.grad_accum)
+    # NOTE: one timer for the run, which the stages and the loss time their work in; emptied at each step's start.
+    timer = StepTimer(device)
+    loss_fn = get_loss_function(model, config, num_microbatches * args.grad_accum, timer)
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
-        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device)
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, timer, pp_mesh, device)
     micro_batches = get_micro_batches(dataset, args, train_state, device, dp_rank, dp_size)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -147,7 +155,7 @@ def main():
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
-        timer = FSDPPipelineStage.timer = StepTimer(device)
+        timer.spans.clear()
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
             with timer("data"):
@@ -241,6 +249,7 @@ def get_parser():
                        help="default: online if logged in to wandb, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
     group = parser.add_argument_group("parallelism")
+    group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--pp", type=int, default=1, help="pipeline stages; world size / pp pipelines run FSDP")
     group.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b")
     group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
@@ -401,7 +410,7 @@ def check_pipeline_layout(args, world_size, config):
     return stages_per_rank, num_microbatches
 
 
-def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
+def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
     # NOTE: rank r keeps stages r, r + pp_degree, ... (the interleaved order); the others' modules become None. Its
     # modules keep the whole model's names (model.layers.5...), which init_weights() and the checkpoints go by.
     num_stages = pp_degree * stages_per_rank
@@ -417,7 +426,7 @@ def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
     if num_stages - 1 not in stage_indices:
         model.model.norm = None
         model.lm_head = None
-    return [DecoderStage(model, stage, num_stages, range(first_layers[stage], first_layers[stage + 1]))
+    return [DecoderStage(model, stage, num_stages, range(first_layers[stage], first_layers[stage + 1]), position_ids)
             for stage in stage_indices]
 
 
@@ -425,9 +434,9 @@ class DecoderStage(torch.nn.Module):
     # NOTE: the model's own modules: the embeddings (first stage), a run of decoder layers, the norm and output head
     # (last). Its forward maps the tokens (first stage) or the previous stage's hidden states to the next's.
 
-    def __init__(self, model, stage_index, num_stages, layer_indices):
+    def __init__(self, model, stage_index, num_stages, layer_indices, position_ids):
         super().__init__()
-        self.stage_index = stage_index
+        self.stage_index, self.position_ids = stage_index, position_ids
         is_last = stage_index == num_stages - 1
         self.embed_tokens = model.model.embed_tokens if stage_index == 0 else None
         self.layers = torch.nn.ModuleDict({str(index): model.model.layers[str(index)] for index in layer_indices})
@@ -438,9 +447,9 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden_states):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(hidden_states)
-        # NOTE: each stage computes the positions and rotary embeddings itself (they depend on the length only), and
-        # needs no mask: attention_implementation()'s SDPA is causal by itself.
-        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        # NOTE: each stage computes the rotary embeddings itself, at the positions it is given, and needs no mask:
+        # the attention is causal by itself.
+        position_ids = self.position_ids
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers.values():
             hidden_states = layer(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings,
@@ -448,18 +457,18 @@ class DecoderStage(torch.nn.Module):
         return hidden_states if self.lm_head is None else self.lm_head(self.norm(hidden_states))
 
 
-def shard_model(stage, dp_mesh, dtype, pp_degree):
+def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
     # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
     # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
-    fsdp_config = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
-    layers = list(stage.layers.values())
+    fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                       offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    layers = list(model.layers.values())
     for index, layer in enumerate(layers):
         # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
         # its backward comes right after. The root group stays gathered for the same reason.
-        # NOTE: with pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
-        fully_shard(layer, **fsdp_config, reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
-    fully_shard(stage, **fsdp_config, reshard_after_forward=False)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
+    fully_shard(model, **fsdp_config, reshard_after_forward=False)
 
 
 @torch.no_grad()
@@ -749,18 +758,18 @@ def log_memory_held(model, optimizer):
 # 6. The training loop: the pipeline
 
 
-def get_loss_function(model, config, loss_scale):
+def get_loss_function(model, config, loss_scale, timer):
     """The last stage's loss of each micro-batch's logits: Hugging Face's, divided by loss_scale, timed as forward."""
     def loss_function(logits, labels):
-        with FSDPPipelineStage.timer("forward"):
+        with timer("forward"):
             return model.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size) / loss_scale
     return loss_function
 
 
-def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device):
+def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, timer, pp_mesh, device):
     """The schedule of this rank's stages, and whether it runs the first stage (the tokens) and the last (the loss)."""
     num_stages = pp_mesh.size() * len(stage_modules)
-    stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group())
+    stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group(), timer=timer)
               for module in stage_modules]
     schedule_class = get_schedule_class(PIPELINE_SCHEDULES[schedule_name])
     one_stage_per_rank = issubclass(schedule_class, PipelineScheduleSingle)
@@ -770,8 +779,11 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
 
 
 class FSDPPipelineStage(PipelineStage):
-    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in the step's timer."""
-    timer = None  # this step's StepTimer, set by main()
+    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in timer."""
+
+    def __init__(self, *args, timer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timer = timer
 
     def forward_one_chunk(self, *args, **kwargs):
         with self.timer("forward"):
@@ -781,9 +793,9 @@ class FSDPPipelineStage(PipelineStage):
         with self.timer("backward"):
             return super().backward_one_chunk(*args, **kwargs)
 
+    # NOTE: a workaround for torch 2.11 to 2.15 (tested), whose PipelineStage defers FSDP's reduce-scatter to the step's
+    # end (pytorch #165106): whole fp32 gradients until then. Here each layer's are reduce-scattered in its backward.
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        # NOTE: PipelineStage would keep FSDP's gradients unsharded in fp32 until the step's end; reduce-scatter each
-        # layer's in each backward instead, as chapter 04 does.
         self.submod.set_is_last_backward(False)
         self.submod.set_reshard_after_backward(self.group_size == 1)
         return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None

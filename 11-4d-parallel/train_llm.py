@@ -1,6 +1,6 @@
-"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained. Each row of --tp
-ranks splits every layer (chapter 06), --cp rows split every sequence (chapter 09), --pp groups of those run one
-pipeline stage each (chapter 08), and FSDP shards every stage over the data-parallel ranks that are left (chapter 04).
+"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained. parallelize() cuts
+the model into pipeline stages (chapter 08), splits their layers over --tp ranks (chapter 06) and their sequences over
+--cp ranks (chapter 09), and shards each stage with FSDP over the data-parallel ranks left (chapter 04).
 
     torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
     # 64 nodes of 8 GPUs: tp 8 in a node, cp 4 and pp 8 across nodes, dp 2 (what is left), with chapter 03's job script:
@@ -35,7 +35,7 @@ import wandb
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import stage_backward
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
@@ -64,7 +64,9 @@ def main():
     device = get_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+        # NOTE: with --cpu-offload, clip_grad_norm_ all-reduces norms of CPU gradients: a gloo backend for CPU tensors.
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device,
+                                timeout=timeout)
     else:
         dist.init_process_group(backend="gloo", timeout=timeout)
     auto_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -73,16 +75,18 @@ def main():
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
-    # 1. The model: built from its config (untrained), cut into stages, split and sharded, initialized from the seed.
+    # 1. The model: built from its config (untrained), parallelized in four dimensions, initialized from the seed.
     with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
         config = AutoConfig.from_pretrained(args.model_name)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
+    require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
-    dp_mesh, pp_mesh, cp_mesh, tp_mesh = (mesh[name] for name in mesh.mesh_dim_names)
+    # NOTE: a sub-mesh is looked up once: mesh["pp"] reads the rank map on the host, a sync in every step.
+    dp_mesh, pp_mesh, cp_mesh = mesh["dp"], mesh["pp"], mesh["cp"]
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     check_context_parallel(args, config)
     # NOTE: tp splits the tokens of this rank's share of each sequence, and the heads attention gets.
@@ -91,28 +95,20 @@ def main():
             f"{config.num_key_value_heads} key/value heads do not divide into --tp {tp_degree} x --cp {args.cp}; use "
             "--cp-attention ring")
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
-    load_balance = args.cp_load_balance == "on" and args.cp > 1
-    attn_implementation = attention_implementation() if args.cp == 1 else \
-        register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
     # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
     # to_empty() allocates only this rank's shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attn_implementation, dtype=torch.float32)
+            config, attn_implementation=attention_implementation(), dtype=torch.float32)
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
-    # NOTE: torchtitan's order: the pipeline split first, then on what this rank keeps, tensor parallelism
-    # (then chapter 05's activation checkpointing and compile would go), then FSDP per stage, over dp and cp.
-    stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank)
-    parallelize_model(model, tp_mesh)
-    for stage_module in stage_modules:
-        shard_model(stage_module, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.pp)
-        stage_module.to_empty(device=device)
+    # NOTE: this rank's tokens of each sequence (all of them without cp), at their positions in the sequence.
+    load_balance = args.cp_load_balance == "on" and args.cp > 1
+    token_indices = get_token_indices(args.seq_length, cp_mesh.get_local_rank(), args.cp, load_balance, device)
+    stage_modules = parallelize(model, mesh, args, dtype, stages_per_rank, token_indices)
+    model.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
     reset_rotary_embeddings(model, device)
-    # NOTE: this rank's tokens of each sequence (all of them without cp), at their positions in the sequence.
-    token_indices = get_token_indices(args.seq_length, cp_mesh.get_local_rank(), args.cp, load_balance, device)
-    DecoderStage.position_ids = token_indices.unsqueeze(0)
     stages_held = ", ".join(f"stage {stage.stage_index} (layers {', '.join(stage.layers)})" for stage in stage_modules)
     LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters; this rank runs {stages_held} of "
                 f"{args.pp * stages_per_rank}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
@@ -131,7 +127,7 @@ def main():
     # 3. The optimizer and the learning rate schedule.
     # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
-    # NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too.
+    # NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too (with --cpu-offload, on the CPU).
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -155,9 +151,11 @@ def main():
     model.train()
     # NOTE: each micro-batch's loss is its share of the step's mean over every label of every rank (chapter 09):
     # the shares add up to chapter 01's loss, and FSDP sums the gradients.
-    loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1))
+    # NOTE: one timer for the run, which the stages and the loss time their work in; emptied at each step's start.
+    timer = StepTimer(device)
+    loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1), timer)
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
-        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device)
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, timer, pp_mesh, device)
     micro_batches = get_micro_batches(dataset, args, train_state, device, dp_rank, dp_size)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -166,7 +164,7 @@ def main():
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
-        timer = FSDPPipelineStage.timer = StepTimer(device)
+        timer.spans.clear()
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
             with timer("data"):
@@ -262,6 +260,7 @@ def get_parser():
                        help="default: online if logged in to wandb, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
     group = parser.add_argument_group("parallelism")
+    group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
     group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the GPUs of one node; on the CPU, 1)")
@@ -389,6 +388,23 @@ def rank_zero_first():
 # 1. The model
 
 
+def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
+    """The four dimensions composed in torchtitan's order (parallelize_llama): the model cut into this rank's pipeline
+    stages, their layers split by tensor parallelism, attention split across cp, then FSDP on each stage."""
+    stage_modules = split_into_stages(model, mesh["pp"].get_local_rank(), args.pp, stages_per_rank,
+                                      token_indices.unsqueeze(0))
+    parallelize_model(model, mesh["tp"])
+    if args.cp > 1:
+        model.set_attn_implementation(register_context_parallel_attention(
+            args.cp_attention, mesh["cp"], args.cp_load_balance == "on"))
+    # NOTE: chapter 05's activation checkpointing, then torch.compile, would wrap each layer here, before FSDP.
+    for stage_module in stage_modules:
+        # NOTE: with pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
+        shard_model(stage_module, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.cpu_offload,
+                    reshard_after_forward=args.pp == 1)
+    return stage_modules
+
+
 def attention_implementation():
     # NOTE: transformers' "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a
     # name without a mask function, SDPA runs with is_causal=True instead.
@@ -404,8 +420,8 @@ def check_tensor_parallel_degree(degree, config, seq_length):
 
 
 def get_device_mesh(device, world_size, tp_degree, pp_degree, cp_degree):
-    """The (dp, pp, cp, tp) mesh, Llama 3's order: the last dimension varies fastest, so tp's groups are consecutive
-    ranks (one node's GPUs, NVLink), then cp's, then pp's; dp, the outermost, is what is left of the world."""
+    # NOTE: Llama 3's order: the last dimension varies fastest, so a tp group is consecutive ranks (a node's GPUs, on
+    # NVLink), then cp, then pp; dp, the outermost, is what is left of the world.
     degrees = tp_degree * pp_degree * cp_degree
     require(min(tp_degree, pp_degree, cp_degree) >= 1 and world_size % degrees == 0, f"--tp {tp_degree} x --pp "
             f"{pp_degree} x --cp {cp_degree} = {degrees} does not divide the world size {world_size}; use degrees "
@@ -446,7 +462,7 @@ def check_pipeline_layout(args, world_size, config):
     return stages_per_rank, num_microbatches
 
 
-def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
+def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
     # NOTE: rank r keeps stages r, r + pp_degree, ... (the interleaved order); the others' modules become None. Its
     # modules keep the whole model's names (model.layers.5...), which init_weights() and the checkpoints go by.
     num_stages = pp_degree * stages_per_rank
@@ -462,18 +478,17 @@ def split_into_stages(model, pp_rank, pp_degree, stages_per_rank):
     if num_stages - 1 not in stage_indices:
         model.model.norm = None
         model.lm_head = None
-    return [DecoderStage(model, stage, num_stages, range(first_layers[stage], first_layers[stage + 1]))
+    return [DecoderStage(model, stage, num_stages, range(first_layers[stage], first_layers[stage + 1]), position_ids)
             for stage in stage_indices]
 
 
 class DecoderStage(torch.nn.Module):
-    position_ids = None  # this rank's token positions, (1, tokens), set by main()
     # NOTE: the model's own modules: the embeddings (first stage), a run of decoder layers, the norm and output head
     # (last). Its forward maps the tokens (first stage) or the previous stage's hidden states to the next's.
 
-    def __init__(self, model, stage_index, num_stages, layer_indices):
+    def __init__(self, model, stage_index, num_stages, layer_indices, position_ids):
         super().__init__()
-        self.stage_index = stage_index
+        self.stage_index, self.position_ids = stage_index, position_ids
         is_last = stage_index == num_stages - 1
         self.embed_tokens = model.model.embed_tokens if stage_index == 0 else None
         self.layers = torch.nn.ModuleDict({str(index): model.model.layers[str(index)] for index in layer_indices})
@@ -484,8 +499,8 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden_states):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(hidden_states)
-        # NOTE: each stage computes the rotary embeddings itself, at this rank's token positions (main() sets them:
-        # tp's and cp's splits leave hidden_states shorter), and needs no mask: the attention is causal by itself.
+        # NOTE: each stage computes the rotary embeddings itself, at the positions it is given, and needs no mask:
+        # the attention is causal by itself.
         position_ids = self.position_ids
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers.values():
@@ -517,9 +532,8 @@ def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
 
 
 def parallelize_model(model, tp_mesh):
-    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise.
-    After the pipeline split, on the parts of the model this rank's stages hold: its layers (a dict), and the
-    embeddings, norm and head if it runs the first or last stage."""
+    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise."""
+    # NOTE: after the pipeline split: only the parts this rank's stages hold, its layers a dict.
     held = dict(model.named_modules())
     parallelize_module(model, tp_mesh, {key: style for key, style in {
         # NOTE: whole embeddings: Hugging Face computes the positions from their length.
@@ -549,21 +563,21 @@ def parallelize_model(model, tp_mesh):
         })
 
 
-def shard_model(stage, dp_mesh, dtype, pp_degree):
+def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
     # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
     # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
-    fsdp_config = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
-    layers = list(stage.layers.values())
+    fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                       offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    layers = list(model.layers.values())
     for index, layer in enumerate(layers):
         # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
         # its backward comes right after. The root group stays gathered for the same reason.
-        # NOTE: with pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
-        fully_shard(layer, **fsdp_config, reshard_after_forward=pp_degree == 1 and index < len(layers) - 1)
-    fully_shard(stage, **fsdp_config, reshard_after_forward=False)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
+    fully_shard(model, **fsdp_config, reshard_after_forward=False)
     # NOTE: each rank's loss is already its share of the global mean: sum the gradients, not average them, with a
     # plain SUM (FSDP would otherwise use NCCL's premultiplied sum, which gloo lacks).
-    for module in [*layers, stage]:
+    for module in [*layers, model]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
 
@@ -1062,20 +1076,20 @@ def log_memory_held(model, optimizer):
 # 6. The training loop: the pipeline
 
 
-def get_loss_function(model, config, num_labels):
+def get_loss_function(model, config, num_labels, timer):
     """The last stage's loss of each micro-batch's logits and shifted labels: Hugging Face's sum over the micro-batch
     divided by num_labels, the labels of the step on every rank; timed as forward."""
     def loss_function(logits, labels):
-        with FSDPPipelineStage.timer("forward"):
+        with timer("forward"):
             return model.loss_function(logits=logits, labels=labels, shift_labels=labels, vocab_size=config.vocab_size,
                                        num_items_in_batch=num_labels)
     return loss_function
 
 
-def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device):
+def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, timer, pp_mesh, device):
     """The schedule of this rank's stages, and whether it runs the first stage (the tokens) and the last (the loss)."""
     num_stages = pp_mesh.size() * len(stage_modules)
-    stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group())
+    stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group(), timer=timer)
               for module in stage_modules]
     schedule_class = get_schedule_class(PIPELINE_SCHEDULES[schedule_name])
     one_stage_per_rank = issubclass(schedule_class, PipelineScheduleSingle)
@@ -1085,8 +1099,11 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
 
 
 class FSDPPipelineStage(PipelineStage):
-    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in the step's timer."""
-    timer = None  # this step's StepTimer, set by main()
+    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in timer."""
+
+    def __init__(self, *args, timer, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.timer = timer
 
     def forward_one_chunk(self, *args, **kwargs):
         with self.timer("forward"):
@@ -1096,9 +1113,9 @@ class FSDPPipelineStage(PipelineStage):
         with self.timer("backward"):
             return super().backward_one_chunk(*args, **kwargs)
 
+    # NOTE: a workaround for torch 2.11 to 2.15 (tested), whose PipelineStage defers FSDP's reduce-scatter to the step's
+    # end (pytorch #165106): whole fp32 gradients until then. Here each layer's are reduce-scattered in its backward.
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
-        # NOTE: PipelineStage would keep FSDP's gradients unsharded in fp32 until the step's end; reduce-scatter each
-        # layer's in each backward instead, as chapter 04 does.
         self.submod.set_is_last_backward(False)
         self.submod.set_reshard_after_backward(self.group_size == 1)
         return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None

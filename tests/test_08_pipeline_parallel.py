@@ -129,7 +129,7 @@ def test_one_stage_alone_has_another_gradient_norm():
     for pp_rank in range(2):
         with torch.device("meta"):
             meta_model = AutoModelForCausalLM.from_config(config)
-        chapter_08.split_into_stages(meta_model, pp_rank, 2, 1)
+        chapter_08.split_into_stages(meta_model, pp_rank, 2, 1, position_ids=None)
         stage_names.append([name for name, _ in meta_model.named_parameters()])
     assert sorted(stage_names[0] + stage_names[1]) == sorted(gradients)
 

@@ -81,23 +81,24 @@ LINEAGE = {
         "parallelize_model": "the tensor-parallel plan",
     },
     ("04", "08"): {
-        "main": "pipeline parallelism on a (pp, dp) mesh: the model cut into stages, FSDP inside each stage, one "
-                "pipeline schedule per micro-step, the loss on the last stage only, the gradient norm over all "
-                "stages, tokens counted once per pipeline, and the pipeline's idle time logged; no --cpu-offload",
-        "get_parser": "the --pp, --pp-schedule, --pp-microbatches and --pp-stages-per-rank options, without "
-                      "--cpu-offload",
-        "shard_model": "each stage sharded on its own over the dp ranks of the mesh, its layers kept gathered "
-                       "after forward with pp > 1: they run a forward for every micro-batch",
+        "main": "pipeline parallelism on a (pp, dp) mesh: the model cut into stages, FSDP inside each stage (its "
+                "layers kept gathered after forward with pp > 1: they run a forward for every micro-batch), one "
+                "pipeline schedule per micro-step with one timer given to the stages and the loss, the loss on the "
+                "last stage only, the gradient norm over all stages, tokens counted once per pipeline, and the "
+                "pipeline's idle time logged",
+        "get_parser": "the --pp, --pp-schedule, --pp-microbatches and --pp-stages-per-rank options",
+        "shard_model": "a stage's layers are a dict (the model's names), not the model's list",
         "save_checkpoint": "each rank's optimizer holds its own stages only: the saved parameter group lists the "
                            "names of all stages, so the checkpoint loads at any --pp and in chapter 04",
         "PIPELINE_SCHEDULES": "the --pp-schedule choices",
         "check_pipeline_layout": "a layout that cannot be made gets a one-line error",
         "split_into_stages": "the model cut into stages",
-        "DecoderStage": "one stage's forward",
+        "DecoderStage": "one stage's forward, at the positions it is given",
         "# 6. The training loop: the pipeline": "the section of the pipeline's helpers",
         "get_loss_function": "the loss on the last stage",
         "build_pipeline_schedule": "one schedule per micro-step",
-        "FSDPPipelineStage": "the stage that reduce-scatters its gradients in every backward and times its work",
+        "FSDPPipelineStage": "the stage that reduce-scatters its gradients in every backward and times its work in "
+                             "the timer it is given",
         "clip_grad_norm_across_stages": "the gradient norm over all stages",
     },
     ("06", "07"): {
@@ -151,23 +152,23 @@ LINEAGE = {
         "log_metrics": "the log line shows the auxiliary loss and the expert load",
     },
     ("07", "11"): {
-        "main": "a (dp, pp, cp, tp) mesh: the model cut into stages (chapter 08), then tensor parallelism and FSDP "
-                "over dp and cp on each stage, the attention across the split registered (chapter 09), each rank's "
+        "main": "a (dp, pp, cp, tp) mesh and its checks, the model parallelized by parallelize(), each rank's "
                 "tokens and shifted labels, one pipeline schedule per micro-step under loss_parallel(), the loss as "
                 "each rank's share of the global mean, the gradient norm over all stages, the pipeline's idle time",
+        "parallelize": "the composition, in torchtitan's order: the pipeline split (chapter 08), tensor parallelism, "
+                       "the attention across the split (chapter 09), FSDP over dp and cp on each stage",
         "get_parser": "chapter 08's --pp options and chapter 09's --cp options (their definitions), without "
                       "--dp-replicate: hybrid sharding is left out of the 4D mesh",
         "get_device_mesh": "the 4D mesh, tp innermost, dp outermost (Llama 3's order)",
         "parallelize_model": "after the pipeline split: a rank's layers are a dict, and only the plan's keys of the "
                              "parts its stages hold are applied",
-        "shard_model": "chapter 08's FSDP per stage, over the flattened (dp, cp) mesh, summing the gradients as "
-                       "chapter 09 does (each rank's loss is its share of the global mean)",
+        "shard_model": "chapter 08's FSDP per stage (its layers a dict), summing the gradients as chapter 09 does "
+                       "(each rank's loss is its share of the global mean)",
         "save_checkpoint": "chapter 08's: the saved parameter group lists every stage's names",
         "PIPELINE_SCHEDULES": "chapter 08's, unchanged (COPIES)",
         "check_pipeline_layout": "chapter 08's, unchanged (COPIES)",
         "split_into_stages": "chapter 08's, unchanged (COPIES)",
-        "DecoderStage": "chapter 08's stage, at the positions main() sets: tp's and cp's splits leave the hidden "
-                        "states shorter than the sequence, and cp's tokens are not consecutive",
+        "DecoderStage": "chapter 08's, unchanged (COPIES)",
         "check_context_parallel": "chapter 09's, unchanged (COPIES)",
         "register_context_parallel_attention": "chapter 09's, unchanged (COPIES)",
         "# 1b. Attention across the split": "chapter 09's section of the split attention",
@@ -200,7 +201,7 @@ MUST_EXIST = {("01", "02")}
 # (source chapter, chapter) -> the definitions a chapter with two or more parents takes from one that is not its
 # base: each must stay byte-identical to the source's (chapter 11 is chapter 07 with 08's pipeline and 09's split).
 COPIES = {
-    ("08", "11"): ["PIPELINE_SCHEDULES", "check_pipeline_layout", "split_into_stages",
+    ("08", "11"): ["PIPELINE_SCHEDULES", "check_pipeline_layout", "split_into_stages", "DecoderStage",
                    "# 6. The training loop: the pipeline", "build_pipeline_schedule", "FSDPPipelineStage",
                    "clip_grad_norm_across_stages", "save_checkpoint"],
     ("09", "11"): ["check_context_parallel", "register_context_parallel_attention", "# 1b. Attention across the split",

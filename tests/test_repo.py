@@ -107,7 +107,7 @@ ALL_READMES = sorted(path for path in REPO.rglob("*.md") if not any(
     part.startswith(".") or part in ("outputs", "logs") for part in path.relative_to(REPO).parts))
 IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)[^)]*\)|<img[^>]*\ssrc=\"([^\"]+)\"")
 TOOLS_WITH_HELP = ["tools/plot_runs.py", "dev/make_figures.py", "tools/estimate_memory.py", "tools/measure_step.py",
-                   "tools/generate.py"]
+                   "tools/generate.py", "tools/diff_chapters.py"]
 
 
 @pytest.mark.parametrize("readme", ALL_READMES, ids=lambda path: str(path.relative_to(REPO)))
