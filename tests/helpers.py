@@ -58,6 +58,17 @@ def run(command, env, cwd, timeout=300, check=True):
     return result
 
 
+# Commands that start with the session, niced, and run on the cores the tests leave idle (a one-process test keeps
+# one of the two busy), for tests that come later to read: name -> (the fixture through which tests read it, a
+# function of its output folder that gives the command). Registered by a test file at import (in_background), started
+# by conftest.py's `background` fixture when a selected test uses that fixture.
+BACKGROUND_RUNS = {}
+
+
+def in_background(name, fixture, command):
+    BACKGROUND_RUNS[name] = (fixture, command)
+
+
 class BackgroundRun:
     """A command started now, in a process session of its own (niced by `nice`), whose result wait() returns later,
     like run()'s. Its output goes to temporary files: nobody reads a pipe while it runs."""
@@ -444,3 +455,10 @@ def grad_norm_difference(reference_dir, experiment_dir, clipped, max_grad_norm=N
         f"clipping at {max_grad_norm} was meant to bind at {'every' if clipped else 'no'} step: norms {norms}"
     return max(abs(record["grad_norm"] / reference_record["grad_norm"] - 1)
                for record, reference_record in zip(experiment, reference))
+
+
+def quick_cases(cases, *quick):
+    """cases for pytest.mark.parametrize, those named in quick marked `quick` (the quick tier: tests/README.md)."""
+    import pytest
+
+    return [pytest.param(case, marks=pytest.mark.quick) if case in quick else case for case in cases]

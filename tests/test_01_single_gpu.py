@@ -36,6 +36,7 @@ def test_resume_is_exact(env, tmp_path):
     assert_same_weights(straight / "checkpoint-00000008", resumed / "checkpoint-00000008", tolerance=1e-6)
 
 
+@pytest.mark.quick
 def test_gradient_accumulation_is_exact(env, tmp_path):
     _, whole = train("01", env, tmp_path, "--max-steps", "6", "--batch-size", "4", experiment="whole")
     _, accumulated = train("01", env, tmp_path, "--max-steps", "6", "--batch-size", "2", "--grad-accum", "2",
