@@ -29,6 +29,8 @@ def table(times):
 
 
 def main():
+    if not (TESTS / "times.json").exists():
+        sys.exit("error: no tests/times.json: a run of the whole suite writes it (python -m pytest tests)")
     times = json.loads((TESTS / "times.json").read_text())
     text = README.read_text()
     pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
