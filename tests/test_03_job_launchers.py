@@ -138,6 +138,7 @@ def assert_matches_reference(runs, env, experiment, what, clipping=()):
     assert norm_difference <= GRAD_NORM_TOLERANCE
 
 
+# NOTE: long: a real 2-node Slurm job whose torchrun agents and ranks start cold (srun places them).
 def test_slurm_with_torchrun_on_two_nodes_matches_chapter_02(env, launcher_env, runs, slurm, repo_lookalike):
     output = sbatch(["--nodes", "2"], "job.sbatch", launcher_env, repo_lookalike, *train_args(repo_lookalike, "slurm-torchrun"))
     assert "nodes=n[1-2] nproc/node=1" in output
@@ -148,6 +149,7 @@ def test_slurm_with_torchrun_on_two_nodes_matches_chapter_02(env, launcher_env, 
     assert_matches_reference(runs, env, repo_lookalike / "outputs" / "slurm-torchrun", "Slurm + torchrun")
 
 
+# NOTE: long: a real 2-node Slurm job whose ranks start cold (srun binds their CPUs).
 def test_slurm_with_srun_alone_matches_chapter_02(env, launcher_env, runs, slurm, repo_lookalike):
     output = sbatch(["--nodes", "2", "--ntasks-per-node", "1"], "job-srun.sbatch", launcher_env, repo_lookalike,
                     *train_args(repo_lookalike, "slurm-srun"))
@@ -179,6 +181,7 @@ def test_two_torchrun_agents_act_as_two_nodes_and_match_chapter_02(env, runs, tm
     assert_matches_reference(runs, env, tmp_path / "outputs" / "two-agents", "two torchrun agents", clipping)
 
 
+# NOTE: long: two cold agents, a killed rank, torchrun's restart of both ranks (cold again) and the resumed run.
 def test_a_killed_rank_is_restarted_resumes_and_ends_as_an_uninterrupted_run(env, launcher_env, runs, tmp_path):
     once_file = tmp_path / "killed-once"
     fault_env = {
