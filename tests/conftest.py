@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TINY_MODEL, BackgroundRun, SharedRuns, processes_with_marker, script
+from helpers import BACKGROUND_RUNS, REPO, TINY_MODEL, BackgroundRun, SharedRuns, processes_with_marker, script
 
 WARM_START = Path(__file__).resolve().parent / "warm_start"
 QUICK_START_TEST = "test_quick_start_command_trains_and_the_loss_falls"
 QUICK_START_SELECTED = pytest.StashKey[bool]()
+SELECTED_FIXTURES = pytest.StashKey[set]()
 # The whole suite's budget on the 2-core CI machine: a run of every test that takes longer fails (pytest_sessionfinish).
 SUITE_BUDGET_S = 15 * 60
 TIMES_FILE = Path(__file__).resolve().parent / "times.json"
@@ -33,6 +34,7 @@ def pytest_collection_modifyitems(config, items):
     (the quick_start fixture), which is started only when its test is selected."""
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)
     config.stash[QUICK_START_SELECTED] = any(item.name == QUICK_START_TEST for item in items)
+    config.stash[SELECTED_FIXTURES] = {name for item in items for name in getattr(item, "fixturenames", ())}
     TIMES["selected"] = len(items)
 
 
@@ -181,3 +183,23 @@ def quick_start(request, session_dir):
     background = BackgroundRun([sys.executable, script("01")], environment, folder, nice=19)
     yield background
     background.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request, session_dir):
+    """The background runs of helpers.BACKGROUND_RUNS whose tests are selected, started now: {name: (BackgroundRun,
+    its output folder)}. Niced, and so are the processes they start warm (tests/warm_start passes the niceness on):
+    they take a core only when the tests leave it idle, and a test that reads one waits for it."""
+    selected = request.config.stash.get(SELECTED_FIXTURES, set())
+    wanted = {name: command for name, (fixture, command) in BACKGROUND_RUNS.items() if fixture in selected}
+    started = {}
+    if wanted:
+        warm = request.getfixturevalue("warm_start")
+        for name, command in wanted.items():
+            folder = session_dir / "background" / name
+            folder.mkdir(parents=True)
+            environment = {**session_environment(session_dir), **warm, "TEST_PROCESS_MARKER": uuid.uuid4().hex}
+            started[name] = (BackgroundRun(command(folder), environment, REPO, nice=19), folder)
+    yield started
+    for run, _ in started.values():
+        run.stop()
