@@ -6,19 +6,27 @@ The helpers that are plain functions (train(), run(), read_losses(), ...) live i
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from helpers import TINY_MODEL, BackgroundRun, SharedRuns, processes_with_marker, script
+from helpers import BACKGROUND_RUNS, REPO, TINY_MODEL, BackgroundRun, SharedRuns, processes_with_marker, script
 
 WARM_START = Path(__file__).resolve().parent / "warm_start"
 QUICK_START_TEST = "test_quick_start_command_trains_and_the_loss_falls"
 QUICK_START_SELECTED = pytest.StashKey[bool]()
+SELECTED_FIXTURES = pytest.StashKey[set]()
+# The whole suite's budget on the 2-core CI machine: a run of every test that takes longer fails (pytest_sessionfinish).
+SUITE_BUDGET_S = 15 * 60
+TIMES_FILE = Path(__file__).resolve().parent / "times.json"
+# What this session ran and how long each test took (the hooks below).
+TIMES = {"started": time.monotonic(), "deselected": 0, "selected": -1, "tests": {}}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -26,6 +34,56 @@ def pytest_collection_modifyitems(config, items):
     (the quick_start fixture), which is started only when its test is selected."""
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)
     config.stash[QUICK_START_SELECTED] = any(item.name == QUICK_START_TEST for item in items)
+    config.stash[SELECTED_FIXTURES] = {name for item in items for name in getattr(item, "fixturenames", ())}
+    TIMES["selected"] = len(items)
+
+
+def pytest_deselected(items):
+    TIMES["deselected"] += len(items)
+
+
+def pytest_runtest_logreport(report):
+    """Each test's time (setup, call and teardown: a shared run counts for the test that first asks for it)."""
+    TIMES["tests"][report.nodeid] = TIMES["tests"].get(report.nodeid, 0.0) + report.duration
+
+
+def the_whole_suite_ran(session):
+    """Every test of tests/ was selected and ran: no -k, -m, --deselect, -x stop, or narrower paths."""
+    config, times = session.config, TIMES
+    tests_dir = Path(__file__).resolve().parent
+    paths = [(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args]
+    return (times["deselected"] == 0 and not session.shouldfail and not session.shouldstop
+            and not config.option.keyword and not config.option.markexpr and paths == [tests_dir]
+            and len(times["tests"]) == times["selected"])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After a run of the whole suite: each file's time into tests/times.json (tests/time_table.py turns it into
+    the table of tests/README.md), and a failure if the suite took longer than SUITE_BUDGET_S."""
+    times = TIMES
+    if not the_whole_suite_ran(session):
+        return
+    total = time.monotonic() - times["started"]
+    files = {}
+    for nodeid, seconds in times["tests"].items():
+        files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
+    slowest = sorted(times["tests"].items(), key=lambda item: -item[1])[:15]
+    TIMES_FILE.write_text(json.dumps({
+        "total_s": round(total, 1), "tests": len(times["tests"]), "budget_s": SUITE_BUDGET_S,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores", "warm_start": os.environ.get("WARM_START") != "0",
+        "files": {name: round(seconds, 1) for name, seconds in sorted(files.items())},
+        "slowest": [[nodeid, round(seconds, 1)] for nodeid, seconds in slowest]}, indent=1) + "\n")
+    if total > SUITE_BUDGET_S:
+        times["over_budget"] = total
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    total = TIMES.get("over_budget")
+    if total is not None:
+        terminalreporter.write_line(
+            f"FAILED: the whole suite took {total:.0f} s, over its budget of {SUITE_BUDGET_S} s (tests/conftest.py's "
+            f"SUITE_BUDGET_S); tests/times.json has each file's time", red=True, bold=True)
 
 
 @pytest.fixture(scope="session")
@@ -125,3 +183,23 @@ def quick_start(request, session_dir):
     background = BackgroundRun([sys.executable, script("01")], environment, folder, nice=19)
     yield background
     background.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request, session_dir):
+    """The background runs of helpers.BACKGROUND_RUNS whose tests are selected, started now: {name: (BackgroundRun,
+    its output folder)}. Niced, and so are the processes they start warm (tests/warm_start passes the niceness on):
+    they take a core only when the tests leave it idle, and a test that reads one waits for it."""
+    selected = request.config.stash.get(SELECTED_FIXTURES, set())
+    wanted = {name: command for name, (fixture, command) in BACKGROUND_RUNS.items() if fixture in selected}
+    started = {}
+    if wanted:
+        warm = request.getfixturevalue("warm_start")
+        for name, command in wanted.items():
+            folder = session_dir / "background" / name
+            folder.mkdir(parents=True)
+            environment = {**session_environment(session_dir), **warm, "TEST_PROCESS_MARKER": uuid.uuid4().hex}
+            started[name] = (BackgroundRun(command(folder), environment, REPO, nice=19), folder)
+    yield started
+    for run, _ in started.values():
+        run.stop()

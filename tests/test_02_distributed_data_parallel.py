@@ -15,6 +15,7 @@ import torch
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_seconds, grad_norm_difference,
                      largest_weight_difference, load_script, max_difference, read_losses, read_metrics, run, script,
                      torchrun, train, train_with_a_restart, with_faults)
+from helpers import quick_cases
 
 README = REPO / CHAPTERS["02"] / "README.md"
 STEPS = 10
@@ -54,7 +55,7 @@ def unclipped_weights_apart(checkpoint_a, checkpoint_b):
     return (differences > 1e-5).float().mean().item()
 
 
-@pytest.mark.parametrize("case", PARITY_CASES)
+@pytest.mark.parametrize("case", quick_cases(PARITY_CASES, "ddp"))
 def test_two_ranks_match_one_process_with_the_same_global_batch(env, runs, case):
     _, reference = reference_run(runs, env, case)
     result, experiment = parity_run(runs, env, case)

@@ -6,7 +6,8 @@ that names it, in bounded time, instead of hanging.
 
 The Slurm and MPI tests need a cluster. `eval "$(.ci/launchers.sh up /tmp/slurm-state)"` starts a two-node one on
 this machine (root, Debian); without one they are skipped, or fail when the variable CI is set. Network tests only
-ever use 127.0.0.1. `pytest -s` prints the figures. Every process starts cold (the env fixture below).
+ever use 127.0.0.1. `pytest -s` prints the figures. The processes of srun, mpirun and the elastic restart start cold
+(the launcher_env fixture below); the plain torchrun agents and the reference runs start warm (tests/warm_start).
 """
 
 import os
@@ -47,10 +48,10 @@ def unavailable(reason):
 
 
 @pytest.fixture
-def env(env):
+def launcher_env(env):
     """The conftest environment, but every process starts cold: the launchers place the processes they start (srun
     its CPU binding and cgroup, mpirun its core binding), which a process forked by the suite's warm start would not
-    inherit."""
+    inherit; and each rank of the elastic restart needs its own string-hash seed, which a fork shares."""
     return cold_start(env)
 
 
@@ -137,8 +138,9 @@ def assert_matches_reference(runs, env, experiment, what, clipping=()):
     assert norm_difference <= GRAD_NORM_TOLERANCE
 
 
-def test_slurm_with_torchrun_on_two_nodes_matches_chapter_02(env, runs, slurm, repo_lookalike):
-    output = sbatch(["--nodes", "2"], "job.sbatch", env, repo_lookalike, *train_args(repo_lookalike, "slurm-torchrun"))
+# NOTE: long: a real 2-node Slurm job whose torchrun agents and ranks start cold (srun places them).
+def test_slurm_with_torchrun_on_two_nodes_matches_chapter_02(env, launcher_env, runs, slurm, repo_lookalike):
+    output = sbatch(["--nodes", "2"], "job.sbatch", launcher_env, repo_lookalike, *train_args(repo_lookalike, "slurm-torchrun"))
     assert "nodes=n[1-2] nproc/node=1" in output
     assert "started by torchrun" in output and "rank 1 of 2" in output
     # --label: both nodes' torchrun print into the one output file, each line prefixed with its node's number.
@@ -147,15 +149,16 @@ def test_slurm_with_torchrun_on_two_nodes_matches_chapter_02(env, runs, slurm, r
     assert_matches_reference(runs, env, repo_lookalike / "outputs" / "slurm-torchrun", "Slurm + torchrun")
 
 
-def test_slurm_with_srun_alone_matches_chapter_02(env, runs, slurm, repo_lookalike):
-    output = sbatch(["--nodes", "2", "--ntasks-per-node", "1"], "job-srun.sbatch", env, repo_lookalike,
+# NOTE: long: a real 2-node Slurm job whose ranks start cold (srun binds their CPUs).
+def test_slurm_with_srun_alone_matches_chapter_02(env, launcher_env, runs, slurm, repo_lookalike):
+    output = sbatch(["--nodes", "2", "--ntasks-per-node", "1"], "job-srun.sbatch", launcher_env, repo_lookalike,
                     *train_args(repo_lookalike, "slurm-srun"))
     assert "started by srun" in output and "rank 1 of 2" in output
     assert_matches_reference(runs, env, repo_lookalike / "outputs" / "slurm-srun", "Slurm + srun")
 
 
-def test_mpirun_matches_chapter_02(env, runs, mpirun, repo_lookalike):
-    mpirun_env = {**env, "MASTER_PORT": str(free_port())}
+def test_mpirun_matches_chapter_02(env, launcher_env, runs, mpirun, repo_lookalike):
+    mpirun_env = {**launcher_env, "MASTER_PORT": str(free_port())}
     if os.geteuid() == 0:
         mpirun_env["MPIRUN_ARGS"] = "--allow-run-as-root"   # Open MPI refuses root without it (CI runs as root)
     # The hosts file next to the script: "localhost slots=2".
@@ -166,7 +169,7 @@ def test_mpirun_matches_chapter_02(env, runs, mpirun, repo_lookalike):
 
 
 # Clipping at 1.0 binds at every step of every launcher's run, and at none with NO_CLIPPING.
-@pytest.mark.parametrize("clipping", [[], NO_CLIPPING], ids=["clipped", "unclipped"])
+@pytest.mark.parametrize("clipping", [pytest.param([], marks=pytest.mark.quick), NO_CLIPPING], ids=["clipped", "unclipped"])
 def test_two_torchrun_agents_act_as_two_nodes_and_match_chapter_02(env, runs, tmp_path, clipping):
     port = free_port()
     agent = [*torchrun_agent(port, "two-nodes"), script("03"), *train_args(tmp_path, "two-agents"), *clipping]
@@ -178,10 +181,11 @@ def test_two_torchrun_agents_act_as_two_nodes_and_match_chapter_02(env, runs, tm
     assert_matches_reference(runs, env, tmp_path / "outputs" / "two-agents", "two torchrun agents", clipping)
 
 
-def test_a_killed_rank_is_restarted_resumes_and_ends_as_an_uninterrupted_run(env, runs, tmp_path):
+# NOTE: long: two cold agents, a killed rank, torchrun's restart of both ranks (cold again) and the resumed run.
+def test_a_killed_rank_is_restarted_resumes_and_ends_as_an_uninterrupted_run(env, launcher_env, runs, tmp_path):
     once_file = tmp_path / "killed-once"
     fault_env = {
-        **env,
+        **launcher_env,
         # torchrun's restarts hang or fail in torch 2.13 when the workers share the agent's rendezvous TCP store
         # (pytorch issues #135712, #167288); every launch file of the chapter sets this too.
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -246,10 +250,10 @@ CPU_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", CPU_LAYOUTS)
-def test_every_process_of_a_slurm_job_gets_its_share_of_the_nodes_cpus(env, slurm, repo_lookalike, layout):
+def test_every_process_of_a_slurm_job_gets_its_share_of_the_nodes_cpus(launcher_env, slurm, repo_lookalike, layout):
     job_file, options, processes, per_node = CPU_LAYOUTS[layout]
     (repo_lookalike / "cpu_probe.py").write_text(CPU_PROBE)
-    output = sbatch(options, job_file, {**env, "TRAIN_SCRIPT": "cpu_probe.py"}, repo_lookalike)
+    output = sbatch(options, job_file, {**launcher_env, "TRAIN_SCRIPT": "cpu_probe.py"}, repo_lookalike)
     share = node_cpus() // per_node
     reports = re.findall(r"cpus of rank (\d+): SLURM_CPUS_PER_TASK=(\S+) affinity=(\d+)$", output, re.MULTILINE)
     print(f"\n{layout}: {node_cpus()} CPUs per node, {per_node} process(es) per node: "
@@ -260,7 +264,7 @@ def test_every_process_of_a_slurm_job_gets_its_share_of_the_nodes_cpus(env, slur
         assert cpus == str(share) and int(affinity) >= share
 
 
-def test_mpirun_forwards_the_variables_training_reads(env, tmp_path):
+def test_mpirun_forwards_the_variables_training_reads(launcher_env, tmp_path):
     # An mpirun that prints its arguments: what the real one would be asked to do.
     fake = tmp_path / "bin" / "mpirun"
     fake.parent.mkdir()
@@ -268,7 +272,7 @@ def test_mpirun_forwards_the_variables_training_reads(env, tmp_path):
     fake.chmod(0o755)
     settings = {"HF_HOME": "/shared/hf", "HF_TOKEN": "hf_secret", "NCCL_DEBUG": "INFO", "NCCL_IB_HCA": "mlx5",
                 "WANDB_API_KEY": "secret", "WANDB_PROJECT": "llm", "MY_SETTING": "1", "UNRELATED": "1"}
-    mpirun_env = {**env, **settings, "FORWARD_ENV": "MY_SETTING", "PATH": f"{fake.parent}:{env['PATH']}"}
+    mpirun_env = {**launcher_env, **settings, "FORWARD_ENV": "MY_SETTING", "PATH": f"{fake.parent}:{launcher_env['PATH']}"}
     result = run([CHAPTER / "mpirun.sh", "-e", "forwarding"], mpirun_env, tmp_path)
     forwarded = re.findall(r"-x (\S+)", result.stdout)
     print(f"\nmpirun.sh forwards: {' '.join(forwarded)}")

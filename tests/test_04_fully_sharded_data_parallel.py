@@ -53,7 +53,7 @@ def resume(runs, resumed_runs, env, world_size, batch_size):
     return resumed_runs[key]
 
 
-@pytest.mark.parametrize("world_size, clipping", [(2, []), (3, []), (2, NO_CLIPPING)],
+@pytest.mark.parametrize("world_size, clipping", [pytest.param(2, [], marks=pytest.mark.quick), (3, []), (2, NO_CLIPPING)],
                          ids=["2", "3", "2-unclipped"])
 def test_fsdp_reproduces_chapter_01_losses(runs, env, world_size, clipping):
     # Same global batch (world_size x 2 = chapter 01's batch), same initial weights (seeded by parameter name).

@@ -184,6 +184,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.quick
 def test_from_the_seed_without_clipping_it_trains_chapter_01s_curve(runs, env, tied_model):
     """The tied model's parity run above, with clipping that binds at no step (NO_CLIPPING): the gradients are
     applied as computed, and their norm is chapter 01's at every step."""

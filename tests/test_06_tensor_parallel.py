@@ -37,7 +37,7 @@ def tensor_parallel_run(runs, env, degree, *clipping):
 
 
 # Clipping at 1.0 binds at every step of degree 2; degree 4 runs with NO_CLIPPING (and so does its reference).
-@pytest.mark.parametrize("degree", [2, 4])
+@pytest.mark.parametrize("degree", [pytest.param(2, marks=pytest.mark.quick), 4])
 def test_tensor_parallel_matches_one_process_on_the_same_batch(env, runs, tmp_path, degree):
     clipping = NO_CLIPPING if degree == 4 else []
     _, reference = reference_run(runs, env, *clipping)

@@ -68,7 +68,8 @@ def largest_weight_difference(checkpoint_a, checkpoint_b, scratch_dir):
 
 
 # Clipping at 1.0 binds at every step, except in the one case with NO_CLIPPING (FSDP and TP both at work).
-@pytest.mark.parametrize("case, clipping", [*((case, []) for case in LAYOUTS), ("dp2-tp2", NO_CLIPPING)],
+@pytest.mark.parametrize("case, clipping", [*(pytest.param(case, [], marks=[pytest.mark.quick] * (case == "dp1-tp2"))
+                                               for case in LAYOUTS), ("dp2-tp2", NO_CLIPPING)],
                          ids=[*LAYOUTS, "dp2-tp2-unclipped"])
 def test_every_layout_matches_one_process_with_the_same_global_batch(env, runs, tmp_path, case, clipping):
     _, reference = reference_run(runs, env, *clipping)

@@ -17,6 +17,7 @@ import pytest
 
 from helpers import (CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
                      max_difference, read_losses, read_metrics, run, torchrun, train, with_faults)
+from helpers import quick_cases
 
 sys.path.insert(0, str(REPO / "tools"))
 import estimate_memory  # noqa: E402
@@ -82,7 +83,7 @@ def pipeline_records(runs, env, case):
     return [json.loads(line) for line in (experiment / "pipeline.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("case", LAYOUTS)
+@pytest.mark.parametrize("case", quick_cases(LAYOUTS, "pp2-1f1b"))
 def test_every_schedule_and_layout_matches_one_process_with_the_same_global_batch(env, runs, tmp_path, case):
     _, reference = reference_run(runs, env)
     result, experiment = layout_run(runs, env, case)

@@ -20,6 +20,7 @@ from transformers import AutoConfig
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, grad_norm_difference,
                      load_script, max_difference, read_losses, read_metrics, run, script, torchrun, train)
+from helpers import quick_cases
 from test_drift import LINEAGE, top_level_definitions
 
 README = REPO / CHAPTERS["09"] / "README.md"
@@ -78,7 +79,7 @@ def test_the_attention_check_catches_a_ring_that_lets_queries_see_later_tokens(e
     assert errors[0].startswith("error: cp 2, ring, load balancing on: attention output differs by")
 
 
-@pytest.mark.parametrize("case", LAYOUTS)
+@pytest.mark.parametrize("case", quick_cases(LAYOUTS, "cp2-ring"))
 def test_context_parallel_reproduces_chapter_01_losses(env, runs, case):
     _, reference = reference_run(runs, env, case)
     result, experiment = layout_run(runs, env, case)

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Mixtra
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, grad_norm_difference,
                      load_script, max_difference, read_losses, read_metrics, run, script, torchrun, train)
+from helpers import quick_cases
 from test_drift import LINEAGE, top_level_definitions
 
 README = REPO / CHAPTERS["10"] / "README.md"
@@ -62,7 +63,7 @@ def layout_run(runs, env, case, *extra):
                       *extra, nproc=nproc)
 
 
-@pytest.mark.parametrize("case", LAYOUTS)
+@pytest.mark.parametrize("case", quick_cases(LAYOUTS, "ep2"))
 def test_expert_parallelism_reproduces_chapter_01_losses(env, runs, case):
     _, reference = reference_run(runs, env, case)
     result, experiment = layout_run(runs, env, case)

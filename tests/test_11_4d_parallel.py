@@ -15,6 +15,7 @@ import pytest
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
                      max_difference, read_losses, train)
+from helpers import quick_cases
 
 README = REPO / CHAPTERS["11"] / "README.md"
 STEPS, HALF = 6, 3
@@ -67,7 +68,7 @@ def largest_weight_difference(checkpoint_a, checkpoint_b, scratch_dir):
     return max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
 
 
-@pytest.mark.parametrize("case", LAYOUTS)
+@pytest.mark.parametrize("case", quick_cases(LAYOUTS, "tp2-pp2"))
 def test_every_layout_matches_one_process_with_the_same_global_batch(env, runs, tmp_path, case):
     _, reference = reference_run(runs, env, *clipping(case))
     result, experiment = layout_run(runs, env, case)

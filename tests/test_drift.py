@@ -17,6 +17,8 @@ import pytest
 
 from helpers import REPO, script
 
+pytestmark = pytest.mark.quick  # static: every test reads files only
+
 # (base chapter, chapter) -> {definition the chapter changes: why its lesson changes it}.
 LINEAGE = {
     ("01", "02"): {

@@ -45,6 +45,7 @@ def shell_lines(readme):
     return re.sub(r"\\\n\s*", " ", "\n".join(lines)).splitlines()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("readme", READMES, ids=lambda path: str(path.relative_to(REPO)))
 def test_readme_commands_name_files_that_exist(readme):
     missing = sorted({path for line in shell_lines(readme) for path in REPO_PATH.findall(line)
@@ -52,6 +53,7 @@ def test_readme_commands_name_files_that_exist(readme):
     assert not missing, f"{readme.relative_to(REPO)} names files that do not exist: {missing}"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("readme", READMES, ids=lambda path: str(path.relative_to(REPO)))
 def test_readme_commands_pass_only_flags_the_script_accepts(readme):
     unknown = []
@@ -67,6 +69,7 @@ def test_readme_commands_pass_only_flags_the_script_accepts(readme):
     assert not unknown, f"{readme.relative_to(REPO)} passes flags the scripts do not have: {sorted(set(unknown))}"
 
 
+@pytest.mark.quick
 def test_every_torch_load_names_its_device_and_loads_weights_only():
     # NOTE: without map_location a tensor returns to the device it was saved from: a checkpoint written by rank 0
     # of a GPU job would be restored onto GPU 0 by every rank of the node. weights_only=True: no code runs on load.
@@ -83,6 +86,7 @@ def test_every_torch_load_names_its_device_and_loads_weights_only():
     assert calls >= 10 and not unsafe, f"torch.load without map_location or weights_only=True: {sorted(unsafe)}"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("chapter", EXISTING_CHAPTERS)
 def test_every_training_forward_builds_no_kv_cache(chapter):
     # NOTE: a Hugging Face model builds a KV cache in every forward pass unless told use_cache=False (the config's
@@ -110,6 +114,7 @@ TOOLS_WITH_HELP = ["tools/plot_runs.py", "dev/make_figures.py", "tools/estimate_
                    "tools/generate.py", "tools/diff_chapters.py"]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("readme", ALL_READMES, ids=lambda path: str(path.relative_to(REPO)))
 def test_every_image_link_resolves(readme):
     links = [markdown or html for markdown, html in IMAGE_LINK.findall(readme.read_text())]
@@ -118,6 +123,7 @@ def test_every_image_link_resolves(readme):
     assert not missing, f"{readme.relative_to(REPO)} shows images that do not exist: {missing}"
 
 
+@pytest.mark.quick
 def test_the_readme_tables_are_what_the_estimator_computes():
     sys.path.insert(0, str(REPO / "dev"))
     import make_figures
@@ -127,6 +133,7 @@ def test_the_readme_tables_are_what_the_estimator_computes():
     assert not stale, f"tables in {stale} differ from tools/estimate_memory.py: run python dev/make_figures.py --tables"
 
 
+@pytest.mark.quick
 def test_the_dry_run_tables_show_what_the_estimator_computes_now():
     """Every table `dev/make_figures.py --dry-runs` writes is marked where it expects, names its command, and its
     estimate column is tools/estimate_memory.py's figure now. The dry runs themselves take minutes: not run here."""
@@ -179,6 +186,7 @@ def top_level_headings(text):
     return headings, "\n".join(preamble)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("readme", CHAPTER_READMES, ids=lambda path: path.parent.name)
 def test_every_chapter_readme_has_the_common_structure(readme):
     chapter_dir = readme.parent.name
@@ -204,6 +212,7 @@ def heading_anchor(heading):
     return re.sub(r"[^\w\- ]", "", heading.lstrip("#").strip().lower()).replace(" ", "-")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("readme", CHAPTER_READMES, ids=lambda path: path.parent.name)
 def test_every_chapter_readme_opens_with_its_contents_and_keeps_the_lesson_short(readme):
     text = readme.read_text()
@@ -218,6 +227,7 @@ def test_every_chapter_readme_opens_with_its_contents_and_keeps_the_lesson_short
                                       f"move tables, tolerances and library internals to {NOTES!r}"
 
 
+@pytest.mark.quick
 def test_the_top_level_readme_is_short():
     words = len((REPO / "README.md").read_text().split())
     assert words <= MAX_TOP_LEVEL_WORDS, f"README.md has {words} words, at most {MAX_TOP_LEVEL_WORDS}: details " \
@@ -227,6 +237,7 @@ def test_the_top_level_readme_is_short():
 TRACKER_REFERENCE = re.compile(r"\bissues? #?\d{1,3}\b|\bthe issue's\b|\(#\d{1,3}\)", re.IGNORECASE)
 
 
+@pytest.mark.quick
 def test_no_file_names_the_project_tracker():
     # NOTE: the repository is read without its tracker: a tracker number means nothing to a reader. Upstream issues are
     # named with their project (torchtitan's issue 596 is upstream and allowed).
@@ -251,6 +262,7 @@ def heading_anchors(text):
     return set(headings)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("readme", ALL_READMES, ids=lambda path: str(path.relative_to(REPO)))
 def test_every_section_link_resolves(readme):
     broken = []
@@ -295,6 +307,7 @@ def is_quoted(block, source_lines):
     return True
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("readme", CHAPTER_READMES, ids=lambda path: path.parent.name)
 def test_every_python_excerpt_is_quoted_from_the_chapter(readme):
     # NOTE: excerpts are lines of the chapter's own Python files (or of its base's, where the paragraph before
@@ -314,6 +327,7 @@ def test_every_python_excerpt_is_quoted_from_the_chapter(readme):
                       f"the chapter's code:\n" + "\n---\n".join(wrong)
 
 
+@pytest.mark.quick
 def test_the_repository_layout_lists_every_folder():
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     folders = sorted({line.split("/")[0] for line in tracked.splitlines() if "/" in line})
@@ -399,12 +413,14 @@ def render_problems(text):
     return problems
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("readme", ALL_READMES, ids=lambda path: str(path.relative_to(REPO)))
 def test_every_markdown_file_renders_as_written(readme):
     problems = render_problems(readme.read_text())
     assert not problems, f"{readme.relative_to(REPO)}: " + "; ".join(problems)
 
 
+@pytest.mark.quick
 MERMAID_CHECK = REPO / ".ci" / "mermaid" / "check.mjs"
 
 
@@ -421,6 +437,7 @@ def test_every_mermaid_diagram_parses(tmp_path):
     assert len(lines) >= 5 and all(line.startswith("ok ") for line in lines[:-1]), result.stdout + result.stderr
 
 
+@pytest.mark.quick
 def test_the_render_check_finds_what_breaks_rendering():
     assert render_problems("# Title\n\n```mermaid\nflowchart LR\n``` Then prose.\n\n## Section\n") == [
         "line 3: the code fence is never closed", "line 5: a fence line with text after it: '``` Then prose.'",

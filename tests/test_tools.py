@@ -83,6 +83,7 @@ def test_generate_untrained_uses_the_weights_every_chapter_starts_from(env, tmp_
     assert result.returncode != 0 and error_line(result).startswith("error: no checkpoint in")
 
 
+# NOTE: long: every figure is drawn from real runs (8 short ones), as dev/make_figures.py draws them for the READMEs.
 @pytest.mark.timeout(1800)  # NOTE: 8 short runs; on 2 busy cores that can take more than the usual 900 s
 def test_make_figures_fast_writes_every_figure_the_readmes_show(env, tmp_path):
     # Every picture a README shows: the shared ones in docs/figures/ and the ones next to their chapter.

@@ -206,9 +206,21 @@ def model_parameters(config):
     NOTE: a tied output head shares the embedding's parameter, and named_parameters() lists it once, as the
     scripts' optimizers and memory counts see it.
     """
+    return list(meta_model(config)[0])
+
+
+META_MODELS = {}
+
+
+def meta_model(config):
+    """(parameters, buffer bytes) of the model a config describes, built on the meta device once per config (its
+    class and JSON): a 405B model's 126 layers take seconds to build, and a table estimates many layouts of one."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    key = type(config).__name__ + config.to_json_string(use_diff=False)
+    if key in META_MODELS:
+        return META_MODELS[key]
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     parameters = []
@@ -230,17 +242,13 @@ def model_parameters(config):
         else:
             role = "replicate"
         parameters.append(Parameter(name, tuple(param.shape), layer, role))
-    return parameters
+    META_MODELS[key] = tuple(parameters), sum(4 * buffer.numel() for _, buffer in model.named_buffers())
+    return META_MODELS[key]
 
 
 def model_buffer_bytes(config):
     """The bytes of the model's buffers (Llama's rotary frequencies), which DDP broadcasts at every forward."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(4 * buffer.numel() for _, buffer in model.named_buffers())
+    return meta_model(config)[1]
 
 
 @dataclass

@@ -50,7 +50,8 @@ def warm_request():
             != import_time_settings(os.environ, server["set_by_imports"])):
         return None
     return socket_path, {"argv": sys.argv if path else [sys.argv[0], *arguments[2:]], "path": path,
-                         "module": module, "cwd": os.getcwd(), "env": dict(os.environ), "sys_path": sys.path}
+                         "module": module, "cwd": os.getcwd(), "env": dict(os.environ), "sys_path": sys.path,
+                         "nice": os.nice(0)}
 
 
 def run_warm(socket_path, request):

@@ -1,0 +1,48 @@
+"""Writes the table of each test file's time into tests/README.md, from tests/times.json, which conftest.py writes at
+the end of every run of the whole suite (`python -m pytest tests`, or `bash .ci/run`).
+
+    python tests/time_table.py          # rewrite the table between its markers
+    python tests/time_table.py --check  # exit 1 if the table is not what tests/times.json gives
+"""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+README = TESTS / "README.md"
+BEGIN, END = "<!-- table: test times, written by tests/time_table.py -->", "<!-- end of table -->"
+
+
+def table(times):
+    files = sorted(times["files"].items(), key=lambda item: -item[1])
+    lines = [BEGIN, "", "| file | seconds | share |", "| --- | ---: | ---: |"]
+    tests_total = sum(times["files"].values())
+    for name, seconds in files:
+        lines.append(f"| `{Path(name).name}` | {seconds:,.0f} | {seconds / tests_total:.0%} |")
+    lines += [f"| **pytest, in all** | **{times['total_s']:,.0f}** | |", "",
+              f"{times['tests']} tests on {times['machine']}, warm start {'on' if times['warm_start'] else 'off'}; "
+              f"the budget is {times['budget_s']:,} s (conftest.py's `SUITE_BUDGET_S`). The slowest tests:", ""]
+    lines += [f"* {seconds:,.0f} s `{nodeid.replace('tests/', '', 1)}`" for nodeid, seconds in times["slowest"][:8]]
+    return "\n".join([*lines, "", END])
+
+
+def main():
+    if not (TESTS / "times.json").exists():
+        sys.exit("error: no tests/times.json: a run of the whole suite writes it (python -m pytest tests)")
+    times = json.loads((TESTS / "times.json").read_text())
+    text = README.read_text()
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
+    if not pattern.search(text):
+        sys.exit(f"error: {README} has no table between {BEGIN} and {END}")
+    new = pattern.sub(lambda match: table(times), text)
+    if "--check" in sys.argv[1:]:
+        if new != text:
+            sys.exit("error: tests/README.md's table is not tests/times.json's: run python tests/time_table.py")
+        return
+    README.write_text(new)
+
+
+if __name__ == "__main__":
+    main()
