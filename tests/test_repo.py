@@ -420,10 +420,10 @@ def test_every_markdown_file_renders_as_written(readme):
     assert not problems, f"{readme.relative_to(REPO)}: " + "; ".join(problems)
 
 
-@pytest.mark.quick
 MERMAID_CHECK = REPO / ".ci" / "mermaid" / "check.mjs"
 
 
+@pytest.mark.quick
 def test_every_mermaid_diagram_parses(tmp_path):
     # NOTE: mermaid's own parser (in node, installed by .ci/run: npm ci --prefix .ci/mermaid); CI always runs it.
     if not (MERMAID_CHECK.parent / "node_modules").is_dir() and os.environ.get("CI") != "true":
