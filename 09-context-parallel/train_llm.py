@@ -553,7 +553,7 @@ def visible_block(rank, source, local_length, load_balance):
 
 def attention_block(query, key, value, scale, causal):
     """softmax(query key^T x scale) value for one block, and each query's log-sum-exp (fp32, natural log, (batch,
-    heads, queries)): SDPA's fused kernel, as in FlashAttention the scores in fp32 on chip, never stored whole."""
+    heads, queries)): one call of SDPA's fused kernel, which keeps the scores in fp32 on chip, a tile at a time."""
     if query.device.type == "cpu":
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
                                                                                  scale=scale)
@@ -570,8 +570,8 @@ def attention_block(query, key, value, scale, causal):
 
 
 def attention_block_backward(grad_output, query, key, value, output, lse, scale, causal):
-    """The gradients of one block's queries, keys and values, from the final output and log-sum-exp: the kernel
-    takes the softmax's delta, the sum of grad_output x output per query, of the final output."""
+    """The gradients of one block's queries, keys and values by the fused kernel's backward, from the final output
+    and log-sum-exp: it computes the softmax's delta, the sum of grad_output x output per query, from them."""
     lse = lse.contiguous()
     if query.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
