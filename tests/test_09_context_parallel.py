@@ -2,8 +2,9 @@
 computes what full causal attention computes, module by module; CPU processes under torchrun (gloo) train exactly as
 chapter 01 does on the same global batch, at cp 2 and at dp 2 x cp 2, on sequences of 256 tokens; resume is exact,
 at the same --cp and at another; bad inputs get a one-line error; activation memory per rank falls as 1/cp and load
-balancing evens out the ranks' attention work; the README's CPU commands run and it explains every definition the
-diff from chapter 04 adds or changes.
+balancing evens out the ranks' attention work; ring attention multiplies with SDPA's fused kernel alone and never
+holds a block of scores; the README's CPU commands run and it explains every definition the diff from chapter 04
+adds or changes.
 
 `pytest -s` prints the figures. Every training run takes 6 steps of 4 sequences of 256 tokens (global batch).
 """
@@ -12,6 +13,8 @@ import json
 import re
 import shlex
 import shutil
+import sys
+from collections import defaultdict
 
 import pytest
 import torch
@@ -21,6 +24,9 @@ from transformers import AutoConfig
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, grad_norm_difference,
                      load_script, max_difference, read_losses, read_metrics, run, script, torchrun, train)
 from test_drift import LINEAGE, top_level_definitions
+
+sys.path.insert(0, str(REPO / "tools"))
+from measure_step import StepMeter, make_dispatch_mode  # noqa: E402
 
 README = REPO / CHAPTERS["09"] / "README.md"
 ATTENTION_CHECK = REPO / CHAPTERS["09"] / "cp_attention_check.py"
@@ -248,11 +254,6 @@ def probe_ring_attention(chapter, monkeypatch, tokens, dtype=torch.float32):
     and attention operator, and the most bytes of tensor storage alive at once above the start, forward and backward
     (the CPU has no allocator statistics). NOTE: in one process, rank 1's keys and values are rank 0's own (the ring
     pass is a copy): the shapes, operators and memory are the real ring's, the values are not."""
-    from collections import defaultdict
-    import sys
-    sys.path.insert(0, str(REPO / "tools"))
-    from measure_step import StepMeter, make_dispatch_mode
-
     monkeypatch.setattr(chapter.dist, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(chapter.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(chapter, "start_ring_pass", lambda tensor, group, tag: tensor.clone)
