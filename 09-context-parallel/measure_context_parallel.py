@@ -8,8 +8,8 @@
    out). That is the activation memory at its peak, the end of forward. Cut with the chapter's own
    get_model_inputs(), attention by the chapter's ring (or --form all-to-all).
 2. Ring attention's work per rank, with load balancing on and off, for cp 2 and 4: the attention scores each rank
-   computes in one forward pass of one attention layer (query-key entries of the blocks it multiplies, the masked
-   half of its own causal block included; counted in a real ring over the processes: exact), and the
+   computes in one forward pass of one attention layer (query-key entries of the blocks it gives the kernel, the
+   masked half of its own causal block included; counted in a real ring over the processes: exact), and the
    milliseconds each rank's blocks take to compute, forward and backward (the chapter's visible_block(),
    attention_block() and attention_block_backward(), replayed one rank after the other in one process and timed in
    CPU time, so that neither the ranks nor other programs on the machine compete in the figure; the ring as a whole
@@ -143,7 +143,8 @@ def attention_inputs(seq_length, cp_size, seed):
 def scores_computed(chapter, cp_mesh, load_balance, seq_length):
     """The query-key scores this rank computes in the forward pass of the chapter's ring (a real one, over cp_mesh).
 
-    NOTE: a causal block is computed whole and then masked, so it counts rows x columns like any other.
+    NOTE: rows x columns of every block given to the kernel: a causal block counts whole, though the fused kernel
+    skips the tiles its mask hides entirely.
     """
     query, key, value, scale = attention_inputs(seq_length, cp_mesh.size(), dist.get_rank())
     scores = 0
@@ -182,8 +183,7 @@ def replayed_compute_ms(chapter, cp_size, load_balance, seq_length, repeats):
             for rows, columns, causal in filter(None, blocks):
                 block_query, block_key, block_value = query[:, :, rows], key[:, :, columns], value[:, :, columns]
                 output, lse = chapter.attention_block(block_query, block_key, block_value, scale, causal)
-                delta = (output * output).sum(-1)
-                chapter.attention_block_backward(output, block_query, block_key, block_value, lse, delta, scale,
+                chapter.attention_block_backward(output, block_query, block_key, block_value, output, lse, scale,
                                                  causal)
             times.append((time.process_time() - started) * 1000)
         # NOTE: the first pass warms up (allocations, thread pools); the median of the others is reported.

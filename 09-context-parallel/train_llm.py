@@ -485,17 +485,16 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         query, key, value, output, lse = ctx.saved_tensors
-        # NOTE: the softmax's backward needs, per query, the sum of grad_output * output of the final output.
-        delta = (grad_output.float() * output.float()).sum(-1)
         grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
         grad_key_value = torch.zeros((2, *key.shape), dtype=torch.float32, device=key.device)
         for step, key_value, visible in ring_steps(torch.stack([key, value]), ctx.group, ctx.load_balance):
             block_grads = None
             if visible is not None:
                 rows, columns, causal = visible
+                # NOTE: the final output and log-sum-exp turn each block's scores into its share of the whole softmax.
                 block_grads = attention_block_backward(grad_output[:, :, rows], query[:, :, rows],
                                                        key_value[0][:, :, columns], key_value[1][:, :, columns],
-                                                       lse[:, :, rows], delta[:, :, rows], ctx.scale, causal)
+                                                       output[:, :, rows], lse[:, :, rows], ctx.scale, causal)
                 grad_query[:, :, rows] += block_grads[0]
             if step > 0:
                 # NOTE: the gradient of the block this rank now holds, as far as the ranks before it computed it.
@@ -553,41 +552,48 @@ def visible_block(rank, source, local_length, load_balance):
 
 
 def attention_block(query, key, value, scale, causal):
-    """softmax(query key^T x scale) value for one block, and each query's log-sum-exp: as in FlashAttention, the
-    products in the compute dtype, the softmax in fp32."""
-    scores = block_scores(query, key, scale, causal)
-    lse = scores.logsumexp(-1, keepdim=True)
-    output = scores.sub_(lse).exp_().to(value.dtype) @ value
-    return output.float().view(query.shape), lse.view(query.shape[:-1])
+    """softmax(query key^T x scale) value for one block, and each query's log-sum-exp (fp32, natural log, (batch,
+    heads, queries)): one call of SDPA's fused kernel, which keeps the scores in fp32 on chip, a tile at a time."""
+    if query.device.type == "cpu":
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
+                                                                                 scale=scale)
+    elif query.dtype != torch.float32:
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal,
+                                                                         scale=scale)[:2]
+    else:
+        # NOTE: FlashAttention takes no fp32, the memory-efficient kernel does: with a query's heads, and a
+        # log-sum-exp padded to a multiple of 32 queries.
+        output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, *repeat_key_value_heads(query, key, value), None, True, 0.0, causal, scale=scale)[:2]
+        lse = lse[:, :, :query.shape[2]]
+    return output.float(), lse
 
 
-def attention_block_backward(grad_output, query, key, value, lse, delta, scale, causal):
-    """The gradients of one block's queries, keys and values, from the final output's log-sum-exp and delta."""
-    batch, kv_heads, rows = key.shape[0], key.shape[1], query.shape[1] // key.shape[1] * query.shape[2]
-    # NOTE: the final log-sum-exp turns each block's scores into the block's share of the whole softmax.
-    probabilities = block_scores(query, key, scale, causal).sub_(lse.reshape(batch, kv_heads, rows, 1)).exp_()
-    probabilities = probabilities.to(value.dtype)
-    grad_output = grad_output.reshape(batch, kv_heads, rows, -1)
-    grad_value = probabilities.transpose(-1, -2) @ grad_output
-    # NOTE: the softmax's backward in fp32, on the gradient of the probabilities, then back to the compute dtype.
-    grad_scores = (grad_output @ value.transpose(-1, -2)).float().sub_(delta.reshape(batch, kv_heads, rows, 1))
-    grad_scores = grad_scores.mul_(probabilities).to(query.dtype)
-    grad_query = (grad_scores @ key * scale).view(query.shape)
-    grad_key = grad_scores.transpose(-1, -2) @ query.reshape(batch, kv_heads, rows, -1) * scale
-    return grad_query, grad_key, grad_value
+def attention_block_backward(grad_output, query, key, value, output, lse, scale, causal):
+    """The gradients of one block's queries, keys and values by the fused kernel's backward, from the final output
+    and log-sum-exp: it computes the softmax's delta, the sum of grad_output x output per query, from them."""
+    lse = lse.contiguous()
+    if query.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_output, query, key, value, output, lse, 0.0, causal, scale=scale)
+    # NOTE: no dropout: the kernels read neither the random state nor (not variable-length) the sequence offsets.
+    unused = torch.empty((), dtype=torch.long, device=query.device)
+    if query.dtype != torch.float32:
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_output, query, key, value, output, lse, None, None, query.shape[2], key.shape[2], 0.0, causal,
+            unused, unused, scale=scale)
+    grad_query, grad_key, grad_value, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_output, query, *repeat_key_value_heads(query, key, value), None, output, lse, unused, unused, 0.0,
+        [True, True, True, False], causal, scale=scale)
+    # NOTE: a key/value head's gradient is the sum over the query heads that share it.
+    return grad_query, *(grad.unflatten(1, (key.shape[1], -1)).sum(2) for grad in (grad_key, grad_value))
 
 
-def block_scores(query, key, scale, causal):
-    """A block's scores, (batch, kv_heads, heads / kv_heads x queries, keys): multiplied in the compute dtype,
-    returned in fp32. The query heads of a key/value head are stacked as rows: keys are never repeated."""
-    batch, heads, num_queries, head_dim = query.shape
-    kv_heads, num_keys = key.shape[1], key.shape[2]
-    grouped_query = query.reshape(batch, kv_heads, heads // kv_heads * num_queries, head_dim)
-    scores = (grouped_query @ key.transpose(-1, -2)).float().mul_(scale)
-    if causal:
-        future = torch.ones(num_queries, num_keys, dtype=torch.bool, device=query.device).triu(1)
-        scores.masked_fill_(future.repeat(heads // kv_heads, 1), float("-inf"))
-    return scores
+def repeat_key_value_heads(query, key, value):
+    """Key and value with each head repeated for the query heads that share it (head h reads head h // groups)."""
+    batch, kv_heads, tokens, head_dim = key.shape
+    shape = (batch, kv_heads, query.shape[1] // kv_heads, tokens, head_dim)
+    return (states.unsqueeze(2).expand(shape).flatten(1, 2) for states in (key, value))
 
 
 def merge_block(output, lse, block_output, block_lse):

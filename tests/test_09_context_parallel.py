@@ -2,8 +2,9 @@
 computes what full causal attention computes, module by module; CPU processes under torchrun (gloo) train exactly as
 chapter 01 does on the same global batch, at cp 2 and at dp 2 x cp 2, on sequences of 256 tokens; resume is exact,
 at the same --cp and at another; bad inputs get a one-line error; activation memory per rank falls as 1/cp and load
-balancing evens out the ranks' attention work; the README's CPU commands run and it explains every definition the
-diff from chapter 04 adds or changes.
+balancing evens out the ranks' attention work; ring attention multiplies with SDPA's fused kernel alone and never
+holds a block of scores; the README's CPU commands run and it explains every definition the diff from chapter 04
+adds or changes.
 
 `pytest -s` prints the figures. Every training run takes 6 steps of 4 sequences of 256 tokens (global batch).
 """
@@ -12,6 +13,8 @@ import json
 import re
 import shlex
 import shutil
+import sys
+from collections import defaultdict
 
 import pytest
 import torch
@@ -22,6 +25,9 @@ from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODE
                      load_script, max_difference, read_losses, read_metrics, run, script, torchrun, train)
 from helpers import quick_cases
 from test_drift import LINEAGE, top_level_definitions
+
+sys.path.insert(0, str(REPO / "tools"))
+from measure_step import StepMeter, make_dispatch_mode  # noqa: E402
 
 README = REPO / CHAPTERS["09"] / "README.md"
 ATTENTION_CHECK = REPO / CHAPTERS["09"] / "cp_attention_check.py"
@@ -241,6 +247,50 @@ def test_memory_per_rank_falls_as_one_over_cp_and_load_balancing_evens_the_work(
     for seq_length in (8192, 32768, 131072):
         for cp_size in (8, 16):
             assert abs(llama_8b[f"{cp_size}/{seq_length}"] * cp_size / llama_8b[f"1/{seq_length}"] - 1) <= 1e-3
+
+
+def probe_ring_attention(chapter, monkeypatch, tokens, dtype=torch.float32):
+    """One forward and backward of the chapter's RingAttention as cp rank 0 of 2, load-balanced (its causal block,
+    then half of rank 1's), under tools/measure_step.py's dispatch mode: {"OPERATOR(dtypes)": calls} of every matmul
+    and attention operator, and the most bytes of tensor storage alive at once above the start, forward and backward
+    (the CPU has no allocator statistics). NOTE: in one process, rank 1's keys and values are rank 0's own (the ring
+    pass is a copy): the shapes, operators and memory are the real ring's, the values are not."""
+    monkeypatch.setattr(chapter.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(chapter.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(chapter, "start_ring_pass", lambda tensor, group, tag: tensor.clone)
+    generator = torch.Generator().manual_seed(0)
+    # NOTE: the tiny Llama's heads, laid out as its attention passes them (a transpose of (batch, tokens, heads, dim)).
+    query, key, value = (torch.randn(1, tokens, heads, 32, generator=generator).to(dtype).transpose(1, 2)
+                         .requires_grad_() for heads in (8, 4, 4))
+    grad_output = torch.randn(1, 8, tokens, 32, generator=generator).to(dtype)
+    meter = StepMeter(None)
+    meter.current = {"host_syncs": defaultdict(int), "matmuls": defaultdict(int), "in_forward_backward": True,
+                     "peak_live_bytes": 0}
+    with make_dispatch_mode(meter):
+        meter.current["peak_live_bytes"] = start = meter.live_bytes
+        chapter.RingAttention.apply(query, key, value, 32 ** -0.5, None, True).backward(grad_output)
+    return dict(meter.current["matmuls"]), meter.current["peak_live_bytes"] - start
+
+
+def test_ring_attention_runs_the_fused_kernel_and_never_holds_a_score_block(monkeypatch):
+    # 2,048 tokens per rank: one fp32 block of scores, (batch, heads, queries, keys), would take 134 MB.
+    tokens = 2048
+    operators, peak = probe_ring_attention(load_script("09"), monkeypatch, tokens)
+    score_block = 1 * 8 * tokens * tokens * 4
+    print(f"\nring attention, cp rank 0 of 2, {tokens} tokens per rank, fp32: peak of live tensors forward and "
+          f"backward {peak / 1e6:.1f} MB (one fp32 score block: {score_block / 1e6:.1f} MB); operators {operators}")
+    # The causal block and the half block, forward and backward: the fused kernel and nothing else multiplies.
+    assert operators == {"aten::_scaled_dot_product_flash_attention_for_cpu(float32, float32, float32)": 2,
+                         "aten::_scaled_dot_product_flash_attention_for_cpu_backward(float32, float32, float32, "
+                         "float32, float32, float32)": 2}, operators
+    assert peak < score_block / 4, (peak, score_block)
+
+
+def test_ring_attention_in_bf16_keeps_only_the_log_sum_exp_in_fp32(monkeypatch):
+    operators, _ = probe_ring_attention(load_script("09"), monkeypatch, 256, torch.bfloat16)
+    assert operators == {"aten::_scaled_dot_product_flash_attention_for_cpu(bfloat16, bfloat16, bfloat16)": 2,
+                         "aten::_scaled_dot_product_flash_attention_for_cpu_backward(bfloat16, bfloat16, bfloat16, "
+                         "bfloat16, bfloat16, float32)": 2}, operators
 
 
 def readme_text():

@@ -128,7 +128,7 @@ LINEAGE = {
         "visible_block": "which blocks a causal query sees",
         "attention_block": "one block's attention",
         "attention_block_backward": "its backward",
-        "block_scores": "one block's scores",
+        "repeat_key_value_heads": "the key/value heads the fp32 CUDA kernel needs",
         "merge_block": "blocks merged by their log-sum-exp",
         "all_to_all_attention": "all-to-all attention",
         "sequence_to_head_shards": "its first all-to-all",
@@ -182,7 +182,7 @@ LINEAGE = {
         "visible_block": "chapter 09's, unchanged (COPIES)",
         "attention_block": "chapter 09's, unchanged (COPIES)",
         "attention_block_backward": "chapter 09's, unchanged (COPIES)",
-        "block_scores": "chapter 09's, unchanged (COPIES)",
+        "repeat_key_value_heads": "chapter 09's, unchanged (COPIES)",
         "merge_block": "chapter 09's, unchanged (COPIES)",
         "all_to_all_attention": "chapter 09's, unchanged (COPIES)",
         "sequence_to_head_shards": "chapter 09's, unchanged (COPIES)",
@@ -208,8 +208,9 @@ COPIES = {
                    "clip_grad_norm_across_stages", "save_checkpoint"],
     ("09", "11"): ["check_context_parallel", "register_context_parallel_attention", "# 1b. Attention across the split",
                    "get_token_indices", "ring_attention", "RingAttention", "ring_steps", "start_ring_pass",
-                   "visible_block", "attention_block", "attention_block_backward", "block_scores", "merge_block",
-                   "all_to_all_attention", "sequence_to_head_shards", "head_to_sequence_shards", "AllToAll"],
+                   "visible_block", "attention_block", "attention_block_backward", "repeat_key_value_heads",
+                   "merge_block", "all_to_all_attention", "sequence_to_head_shards", "head_to_sequence_shards",
+                   "AllToAll"],
 }
 
 
