@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import wandb
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
@@ -73,12 +74,13 @@ def main():
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
     # to_empty() allocates only this rank's shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(), dtype=torch.float32)
-    shard_model(model, dtype, args.cpu_offload)
+    shard_model(model, mesh, dtype, args.cpu_offload)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
     reset_rotary_embeddings(model, device)
@@ -341,17 +343,17 @@ def attention_implementation():
     return "causal_sdpa"
 
 
-def shard_model(model, dtype, cpu_offload):
+def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
     # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
     # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
-    fsdp_config = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+    fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     layers = model.model.layers
     for index, layer in enumerate(layers):
         # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
         # its backward comes right after. The root group stays gathered for the same reason.
-        fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
 
 

@@ -35,6 +35,7 @@ import wandb
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
@@ -82,6 +83,7 @@ def main():
     require(args.attn_implementation != "flash_attention_2" or flash_ready, "--attn-implementation flash_attention_2 "
             "needs CUDA and `pip install flash-attn`; use --attn-implementation sdpa")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
+    mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
     # to_empty() allocates only this rank's shards, and init_weights() fills them.
     with torch.device("meta"):
@@ -92,7 +94,7 @@ def main():
         apply_activation_checkpointing(model)
     if args.compile:
         compile_layers(model)
-    shard_model(model, dtype, args.cpu_offload)
+    shard_model(model, mesh, dtype, args.cpu_offload)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     # NOTE: a run that resumes takes its weights from its checkpoint (step 4), without reading the pretrained ones.
     checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
@@ -403,20 +405,17 @@ def compile_layers(model):
         layer.compile()
 
 
-def shard_model(model, dtype, cpu_offload):
-    """Every decoder layer sharded as one group, the input embedding as another, the final norm and head as the last.
-
-    NOTE: a group's parameters are all-gathered, and its gradients reduce-scattered, in one collective: one group per
-    layer keeps one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
-    """
+def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
+    # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
+    # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
-    fsdp_config = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+    fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     layers = model.model.layers
     for index, layer in enumerate(layers):
         # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
         # its backward comes right after. The root group stays gathered for the same reason.
-        fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     # NOTE: at 405B the embedding and the head are 2.1B parameters each: the embedding is freed after its forward, the
     # norm and head (last in forward, first in backward) stay gathered; a head tied to the embedding shares its group.
     output_group = [model.model.norm, model.lm_head]

@@ -31,7 +31,7 @@ import wandb
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
@@ -57,7 +57,9 @@ def main():
     device = get_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl", device_id=device, timeout=timeout)
+        # NOTE: with --cpu-offload, clip_grad_norm_ all-reduces norms of CPU gradients: a gloo backend for CPU tensors.
+        dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device,
+                                timeout=timeout)
     else:
         dist.init_process_group(backend="gloo", timeout=timeout)
     auto_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -72,6 +74,7 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
+    require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
@@ -82,10 +85,11 @@ def main():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(), dtype=torch.float32)
-    # NOTE: FSDP then shards the tensor-parallel slices over the dp dimensions: DTensors placed on both.
+    # NOTE: FSDP then shards the tensor-parallel slices over the dp dimensions only, never inside a tp group: DTensors
+    # placed on both. A 2D dp mesh (HSDP) shards within each replica and all-reduces across them.
     parallelize_model(model, mesh["tp"])
-    shard_model(model, mesh[mesh.mesh_dim_names[:-1]], dtype)
-    model.to_empty(device=device)
+    shard_model(model, mesh[mesh.mesh_dim_names[:-1]], dtype, args.cpu_offload)
+    model.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
     reset_rotary_embeddings(model, device)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
@@ -104,7 +108,7 @@ def main():
     # 3. The optimizer and the learning rate schedule.
     # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
-    # NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too.
+    # NOTE: the parameters are this rank's shards, so AdamW's moments are sharded too (with --cpu-offload, on the CPU).
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -224,6 +228,7 @@ def get_parser():
                        help="default: online if logged in to wandb, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
     group = parser.add_argument_group("parallelism")
+    group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
     group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the GPUs of one node; on the CPU, 1)")
@@ -401,13 +406,17 @@ def parallelize_model(model, tp_mesh):
         })
 
 
-def shard_model(model, dp_mesh, dtype):
-    """Chapter 04's FSDP, over the dp dimensions only, never inside a tp group. A 2D dp_mesh (HSDP) shards within
-    each replica and all-reduces across them."""
-    fsdp_config = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
+    # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
+    # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
+    # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
+    fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+                       offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     layers = model.model.layers
     for index, layer in enumerate(layers):
-        fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
+        # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
+        # its backward comes right after. The root group stays gathered for the same reason.
+        fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
 
 

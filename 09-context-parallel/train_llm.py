@@ -387,7 +387,7 @@ def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
     return name
 
 
-def shard_model(model, mesh, dtype, cpu_offload):
+def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
     # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
     # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
@@ -397,7 +397,7 @@ def shard_model(model, mesh, dtype, cpu_offload):
     for index, layer in enumerate(layers):
         # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
         # its backward comes right after. The root group stays gathered for the same reason.
-        fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
     # NOTE: each rank's loss is already its share of the global mean: sum the gradients, not average them, with a
     # plain SUM (FSDP would otherwise use NCCL's premultiplied sum, which gloo lacks).

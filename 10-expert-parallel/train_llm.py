@@ -357,19 +357,21 @@ def attention_implementation():
     return "causal_sdpa"
 
 
-def shard_model(model, mesh, dtype, cpu_offload):
+def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
     # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
     # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
-    fsdp_config = dict(mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+    # NOTE: the experts shard over edp, split over ep; the rest over every rank, the (edp, ep) mesh flattened.
+    fsdp_config = dict(mesh=mesh["edp", "ep"]._flatten("edp_ep"),
+                       mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     layers = model.model.layers
     for index, layer in enumerate(layers):
         # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
         # its backward comes right after. The root group stays gathered for the same reason.
         if hasattr(layer.mlp, "experts"):
-            shard_experts(layer.mlp.experts, mesh, fsdp_config, reshard_after_forward=index < len(layers) - 1)
-        fully_shard(layer, **fsdp_config, reshard_after_forward=index < len(layers) - 1)
+            shard_experts(layer.mlp.experts, mesh, fsdp_config, reshard_after_forward and index < len(layers) - 1)
+        fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
 
 
@@ -384,7 +386,7 @@ def shard_experts(experts, mesh, fsdp_config, reshard_after_forward):
             f"world size / --ep = {edp_degree} ranks, which do not divide them; use another --ep or world size")
     for name, param in experts.named_parameters():
         experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(param, mesh["ep"], [Shard(0)])))
-    fully_shard(experts, **fsdp_config, mesh=mesh["edp"], shard_placement_fn=lambda param: Shard(1),
+    fully_shard(experts, **{**fsdp_config, "mesh": mesh["edp"]}, shard_placement_fn=lambda param: Shard(1),
                 reshard_after_forward=reshard_after_forward)
     # NOTE: an expert's gradient already sums its whole ep group's tokens (the all-to-all's backward brings them): the
     # sum over edp divided by the world size is the mean over all ranks.

@@ -45,14 +45,14 @@ LINEAGE = {
         "find_free_port": "a launcher without torchrun picks the rendezvous port itself",
     },
     ("03", "04"): {
-        "main": "FSDP: the model built on the meta device and sharded, the optimizer over the shards, no autocast "
-                "and no no_sync(), no DDP and no ZeRO-1",
+        "main": "FSDP: the model built on the meta device and sharded over a 1-D device mesh of all ranks, the "
+                "optimizer over the shards, no autocast and no no_sync(), no DDP and no ZeRO-1",
         "get_parser": "the --cpu-offload option, without --zero1",
         "init_weights": "each rank fills only its shard (a DTensor) of the full seeded value",
         "save_checkpoint": "every rank writes its own shards with torch.distributed.checkpoint",
         "write_checkpoint": "only the small files are left to rank 0",
         "load_checkpoint": "each rank reads its own shards, resharding to the current world size",
-        "shard_model": "FSDP: each layer, and the rest of the model, sharded as one group",
+        "shard_model": "FSDP: each layer, and the rest of the model, sharded as one group over the mesh",
         "reset_rotary_embeddings": "a model built on the meta device recomputes its rotary buffers",
         "log_memory_held": "each rank shows it holds 1/N of parameters, gradients and optimizer state",
     },
@@ -101,10 +101,11 @@ LINEAGE = {
         "clip_grad_norm_across_stages": "the gradient norm over all stages",
     },
     ("06", "07"): {
-        "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes",
-        "get_parser": "the --tp and --dp-replicate options",
+        "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes, with "
+                "chapter 04's --cpu-offload",
+        "get_parser": "the --tp and --dp-replicate options, and chapter 04's --cpu-offload back: FSDP offloads",
         "get_device_mesh": "the 2D mesh",
-        "shard_model": "FSDP (optionally hybrid) across the dp dimensions",
+        "shard_model": "chapter 04's FSDP, unchanged (COPIES), over the dp dimensions of the mesh",
     },
     ("04", "09"): {
         "main": "a (dp, cp) device mesh, the attention across the split registered with transformers, data parallel "
@@ -139,7 +140,8 @@ LINEAGE = {
                 "both meshes",
         "get_parser": "the --ep option, and the tiny mixture-of-experts model as the default",
         "parse_args": "--ep must be at least 1 too",
-        "shard_model": "each MoE layer's experts split over ep and FSDP-sharded over edp, in a group of their own",
+        "shard_model": "each MoE layer's experts split over ep and FSDP-sharded over edp, in a group of their own; "
+                       "the rest sharded over the (edp, ep) mesh flattened",
         "shard_experts": "the experts' sharding and gradient reduction",
         "# 1b. Expert parallelism": "the section of expert parallelism",
         "get_device_mesh": "the (edp, ep) mesh, and a degree that cannot split the experts gets a one-line error",
@@ -197,9 +199,11 @@ for allowed in LINEAGE.values():
     allowed.update({"__doc__": "the chapter's own summary and commands", "imports": "what the chapter's code uses"})
 MUST_EXIST = {("01", "02")}
 
-# (source chapter, chapter) -> the definitions a chapter with two or more parents takes from one that is not its
-# base: each must stay byte-identical to the source's (chapter 11 is chapter 07 with 08's pipeline and 09's split).
+# (source chapter, chapter) -> the definitions a chapter takes from another chapter than its base (a second parent,
+# or an ancestor whose definition the base drops): each must stay byte-identical to the source's (chapter 11 is
+# chapter 07 with 08's pipeline and 09's split; chapter 07 brings back chapter 04's FSDP, which chapter 06 has not).
 COPIES = {
+    ("04", "07"): ["shard_model"],
     ("08", "11"): ["PIPELINE_SCHEDULES", "check_pipeline_layout", "split_into_stages",
                    "# 6. The training loop: the pipeline", "build_pipeline_schedule", "FSDPPipelineStage",
                    "clip_grad_norm_across_stages", "save_checkpoint"],
