@@ -108,7 +108,7 @@ def main():
     # 3. The optimizer and the learning rate schedule.
     # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
-    # NOTE: the parameters are this rank's shards, so AdamW's moments are sharded too (with --cpu-offload, on the CPU).
+    # NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too.
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -8,10 +8,14 @@ to the byte (decorators, docstrings, comments inside and the comment lines right
 chapter's allowlist below names it and says why the lesson changes it; a statement in only one of the two scripts
 must be allowlisted too. An allowlisted name that no longer differs fails, so the allowlist stays the exact list of
 what the chapter changes, and the shared definitions must come in the same order, so that the diff stays short.
+Inside an allowlisted definition, a hunk that replaces lines with others of the same code (a reflow, a reworded
+comment) fails too, so that only the lesson's changes show in the diff; a chapter may add or remove comment lines.
 """
 
 import ast
 import difflib
+import io
+import tokenize
 
 import pytest
 
@@ -199,6 +203,39 @@ for allowed in LINEAGE.values():
     allowed.update({"__doc__": "the chapter's own summary and commands", "imports": "what the chapter's code uses"})
 MUST_EXIST = {("01", "02")}
 
+# (base chapter, chapter) -> {a comment line the chapter rewords, inside an allowlisted definition, away from the code
+# it is about: why the lesson rewords it}. Any other hunk of comments or formatting alone fails (find_reflows).
+REWORDED = {
+    ("04", "05"): {
+        "# 1. The model: built empty, sharded, then filled with its pretrained weights (or from the seed if it has "
+        "none).": "the section now loads pretrained weights",
+    },
+    ("04", "06"): {
+        "# NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too.":
+            "tensor parallelism slices the parameters instead of sharding them",
+    },
+    ("04", "08"): {
+        "# 1. The model: built from its config (untrained), cut into stages, every parameter initialized from the "
+        "seed.": "the model is cut into stages",
+        "# NOTE: the parameters are this rank's shards, so AdamW's moments are sharded too.":
+            "the chapter has no --cpu-offload",
+        "# 6. The training loop, one pipeline schedule per micro-step.": "the loop runs the pipeline's schedule",
+        "# NOTE: last-stage ranks hold their share's mean, the others 0: the sum / dp is the global batch's loss.":
+            "only the last stage computes a loss; it is divided by dp, not the world size, a few lines on",
+    },
+    ("04", "09"): {
+        "# NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.":
+            "the loss is summed, not averaged: the division by the world size is gone a line on",
+    },
+    ("07", "11"): {
+        "# 1. The model: built from its config (untrained), cut into stages, split and sharded, initialized from the "
+        "seed.": "the model is cut into stages before it is split and sharded",
+        "# 6. The training loop, one pipeline schedule per micro-step.": "chapter 08's loop, the pipeline's schedule",
+        "# NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.":
+            "chapter 08's loss of the last stage, which the tp ranks of a share hold alike",
+    },
+}
+
 # (source chapter, chapter) -> the definitions a chapter takes from another chapter than its base (a second parent,
 # or an ancestor whose definition the base drops): each must stay byte-identical to the source's (chapter 11 is
 # chapter 07 with 08's pipeline and 09's split; chapter 07 brings back chapter 04's FSDP, which chapter 06 has not).
@@ -260,11 +297,40 @@ def top_level_definitions(source):
     return definitions
 
 
-def find_drift(base_source, chapter_source, allowed, base_name="base", chapter_name="chapter"):
+def code_tokens_by_line(text):
+    """{line number: [token, ...]} of the code of a statement's text: comments, line breaks and indentation left out;
+    a string over several lines (a docstring) is cut into its lines, each on its own."""
+    tokens = {}
+    skipped = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in skipped:
+            for row, piece in enumerate(token.string.split("\n"), token.start[0]):
+                tokens.setdefault(row, []).append(piece)
+    return tokens
+
+
+def find_reflows(base_text, chapter_text):
+    """The hunks of a changed definition that replace lines with lines of the same code: only comments, line breaks
+    or spacing differ. Each is the hunk's diff lines, "-" for the base's, "+" for the chapter's."""
+    base_lines, chapter_lines = base_text.splitlines(), chapter_text.splitlines()
+    base_tokens, chapter_tokens = code_tokens_by_line(base_text), code_tokens_by_line(chapter_text)
+    matcher = difflib.SequenceMatcher(a=base_lines, b=chapter_lines, autojunk=False)
+    reflows = []
+    for operation, base_start, base_end, chapter_start, chapter_end in matcher.get_opcodes():
+        base_code = [token for row in range(base_start + 1, base_end + 1) for token in base_tokens.get(row, [])]
+        chapter_code = [token for row in range(chapter_start + 1, chapter_end + 1)
+                        for token in chapter_tokens.get(row, [])]
+        if operation == "replace" and base_code == chapter_code:
+            reflows.append([f"-{line}" for line in base_lines[base_start:base_end]] +
+                           [f"+{line}" for line in chapter_lines[chapter_start:chapter_end]])
+    return reflows
+
+
+def find_drift(base_source, chapter_source, allowed, base_name="base", chapter_name="chapter", reworded=()):
     """What breaks the drift check, one message per problem; an empty list when the chapter is clean."""
     base, chapter = top_level_definitions(base_source), top_level_definitions(chapter_source)
     shared = [name for name in base if name in chapter]
-    problems = []
+    problems, rewords_found = [], set()
     for name in shared:
         if name not in allowed and base[name] != chapter[name]:
             diff = list(difflib.unified_diff(base[name].splitlines(), chapter[name].splitlines(), base_name,
@@ -272,6 +338,15 @@ def find_drift(base_source, chapter_source, allowed, base_name="base", chapter_n
             shown = "\n".join(diff[:30] + ([f"... ({len(diff) - 30} more lines)"] if len(diff) > 30 else []))
             problems.append(f"{name} drifted from the base chapter; make it identical again, or add it to the "
                             f"allowlist with the reason this chapter's lesson changes it:\n{shown}")
+        elif name in allowed and base[name] != chapter[name]:
+            for reflow in find_reflows(base[name], chapter[name]):
+                new_lines = [line[1:].strip() for line in reflow if line.startswith("+")]
+                if new_lines[0] in reworded:
+                    rewords_found.add(new_lines[0])
+                    continue
+                problems.append(f"{name} changes only comments or formatting in these lines, which the lesson does not "
+                                f"need; make them identical to {base_name}'s again, or change them with the code they "
+                                "are about:\n" + "\n".join(reflow))
     for name in [*[name for name in base if name not in chapter], *[name for name in chapter if name not in base]]:
         if name not in allowed:
             where = chapter_name if name in chapter else base_name
@@ -282,6 +357,10 @@ def find_drift(base_source, chapter_source, allowed, base_name="base", chapter_n
             problems.append(f"the allowlisted {name} is in neither script: remove it from the allowlist")
         elif name in base and name in chapter and base[name] == chapter[name]:
             problems.append(f"the allowlisted {name} is identical in both scripts: remove it from the allowlist")
+    for line in reworded:
+        if line not in rewords_found:
+            problems.append(f"the reworded comment {line!r} is not in a hunk of comments alone: remove it from "
+                            "REWORDED")
     chapter_order = [name for name in chapter if name in base]
     if chapter_order != shared:
         matcher = difflib.SequenceMatcher(a=shared, b=chapter_order, autojunk=False)
@@ -297,7 +376,7 @@ def test_a_chapter_changes_only_what_it_teaches(base, chapter):
         pytest.skip(f"no {script(base).relative_to(REPO)} or {script(chapter).relative_to(REPO)} yet")
     base_name, chapter_name = (str(script(name).relative_to(REPO)) for name in (base, chapter))
     problems = find_drift(script(base).read_text(), script(chapter).read_text(), LINEAGE[base, chapter],
-                          base_name, chapter_name)
+                          base_name, chapter_name, REWORDED.get((base, chapter), {}))
     assert not problems, f"{chapter_name} vs its base {base_name}:\n\n" + "\n\n".join(problems)
 
 
@@ -398,3 +477,43 @@ def test_the_check_names_what_a_chapter_adds_outside_its_definitions(addition):
     assert chapter_source.count(old) == 1
     problems = find_drift(script("01").read_text(), chapter_source.replace(old, new), LINEAGE["01", "02"])
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+# Each edit below, made to chapter 02 alone inside its allowlisted main(), changes no code: it must be caught and named.
+FUSED_NOTE = "    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU."
+REFLOWS = {
+    "reflow": ("    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
+               "        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))",
+               "    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,\n"
+               "        lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))"),
+    "reworded comment": (FUSED_NOTE, FUSED_NOTE.replace("the whole update as one kernel", "one kernel for the update")),
+}
+
+
+@pytest.mark.parametrize("edit", REFLOWS)
+def test_the_check_names_a_reflow_inside_an_allowlisted_definition(edit):
+    old, new = REFLOWS[edit]
+    base_source, chapter_source = script("01").read_text(), script("02").read_text()
+    assert chapter_source.count(old) == 1
+    problems = find_drift(base_source, chapter_source.replace(old, new), LINEAGE["01", "02"])
+    assert len(problems) == 1 and problems[0].startswith("main changes only comments or formatting"), problems
+    assert problems[0].endswith("\n".join([*(f"-{line}" for line in old.splitlines()),
+                                           *(f"+{line}" for line in new.splitlines())]))
+    # Justified in REWORDED, the same hunk passes; a justification that matches no hunk is named.
+    reworded = {new.splitlines()[0].strip(): "a reason"}
+    assert find_drift(base_source, chapter_source.replace(old, new), LINEAGE["01", "02"], reworded=reworded) == []
+    assert find_drift(base_source, chapter_source, LINEAGE["01", "02"], reworded=reworded) == [
+        f"the reworded comment {new.splitlines()[0].strip()!r} is not in a hunk of comments alone: remove it from "
+        "REWORDED"]
+
+
+def test_the_check_lets_a_chapter_add_a_comment_line_or_reword_one_with_its_code():
+    base_source, chapter_source = script("01").read_text(), script("02").read_text()
+    assert chapter_source.count(FUSED_NOTE + "\n") == 1
+    added = chapter_source.replace(FUSED_NOTE + "\n", FUSED_NOTE + "\n    # NOTE: a sentence this chapter adds.\n")
+    assert find_drift(base_source, added, LINEAGE["01", "02"]) == []
+    old = FUSED_NOTE + "\n    adamw_options = dict(lr=args.lr, betas=(0.9, 0.95),"
+    assert chapter_source.count(old) == 1
+    changed = chapter_source.replace(old, "    # NOTE: another beta.\n"
+                                          "    adamw_options = dict(lr=args.lr, betas=(0.9, 0.99),")
+    assert find_drift(base_source, changed, LINEAGE["01", "02"]) == []
