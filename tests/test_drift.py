@@ -40,6 +40,9 @@ LINEAGE = {
         "rank_zero_first": "rank 0 prepares the data while the others wait",
         "find_latest_checkpoint_on_rank_zero": "every rank resumes from the checkpoint rank 0 finds",
         "write_checkpoint": "the writing save_checkpoint did, moved unchanged so that only rank 0 runs it",
+        "explain_load_errors": "every rank that fails prints the line: one line per rank, not a traceback per rank",
+        "load_checkpoint": "without map_location every rank would load onto cuda:0, where rank 0 saved from",
+        "get_rng_state": "with a GPU per process, the state saved is that process's GPU's",
     },
     ("02", "03"): {
         "main": "the rank, world size and rendezvous come from whichever launcher started the process",
@@ -47,6 +50,7 @@ LINEAGE = {
         "get_distributed_environment": "rank, world size and rendezvous from torchrun, srun or mpirun",
         "wait_for_rendezvous": "launchers that start every process at once wait for rank 0's endpoint",
         "find_free_port": "a launcher without torchrun picks the rendezvous port itself",
+        "get_device": "srun binds one GPU to each task (Slurm's --gpus-per-task=1)",
     },
     ("03", "04"): {
         "main": "FSDP: the model built on the meta device and sharded over a 1-D device mesh of all ranks, the "
@@ -423,7 +427,7 @@ def test_the_copies_check_names_an_edited_copy_and_a_stale_name():
 EDITS = {
     "code": ("cut_into_chunks", "range(0, len(stream) - seq_length + 1, seq_length)",
              "range(0, len(stream) - seq_length, seq_length)"),
-    "comment": ("find_latest_checkpoint", "# NOTE: a checkpoint folder gets its final name only once it is complete",
+    "comment": ("find_latest_checkpoint", "# NOTE: a checkpoint folder gets its final name only once complete",
                 "# NOTE: a checkpoint folder is renamed when complete"),
     "decorator": ("init_weights", "@torch.no_grad()\ndef init_weights", "def init_weights"),
     "constant": ("PEAK_BF16_FLOPS", '"H200": 989e12', '"H200": 990e12'),
@@ -480,13 +484,13 @@ def test_the_check_names_what_a_chapter_adds_outside_its_definitions(addition):
 
 
 # Each edit below, made to chapter 02 alone inside its allowlisted main(), changes no code: it must be caught and named.
-FUSED_NOTE = "    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU."
+FUSED_NOTE = "    # NOTE: fused=True: one kernel per group of tensors."
 REFLOWS = {
     "reflow": ("    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
                "        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))",
                "    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,\n"
                "        lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))"),
-    "reworded comment": (FUSED_NOTE, FUSED_NOTE.replace("the whole update as one kernel", "one kernel for the update")),
+    "reworded comment": (FUSED_NOTE, FUSED_NOTE.replace("one kernel per group", "a kernel for each group")),
 }
 
 
