@@ -1,4 +1,4 @@
-"""Chapter 01: train a Llama-style language model on one device. main() reads top to bottom; helpers follow it.
+"""Chapter 01: train a Llama-style language model on one device.
 
     python 01-single-gpu/train_llm.py    # no GPU: the tiny model bundled in data/, on the CPU
     python 01-single-gpu/train_llm.py -m meta-llama/Llama-3.2-1B -d tatsu-lab/alpaca -e llama-1b    # on a GPU
@@ -62,7 +62,7 @@ def main():
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
-    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
+    # NOTE: fused=True: one kernel per group of tensors.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
@@ -115,7 +115,7 @@ def main():
         progress_bar.update()
 
         if step % args.log_freq == 0 or step == last_step:
-            # NOTE: .item() waits for the device: the only synchronization, and the clock then times the GPU.
+            # NOTE: only logging steps wait for the GPU (.item(), read_ms()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -138,8 +138,9 @@ def main():
 
 
 def get_parser():
-    parser = argparse.ArgumentParser(description="Train a Llama-style language model on one GPU, or on the CPU.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description="Train a Llama-style language model on one GPU, or on the CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     group = parser.add_argument_group("model and data")
     group.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                        help="hub name, or folder with config.json and the tokenizer")
@@ -190,7 +191,7 @@ def require(condition, message):
 
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
-    # NOTE: one line, not a traceback per rank; an empty file raises StopIteration, a bad one a DatasetsError.
+    # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
     try:
         yield
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
@@ -207,20 +208,18 @@ def setup_logging():
 
 
 def attention_implementation():
-    # NOTE: transformers' "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a
-    # name without a mask function, SDPA runs with is_causal=True instead.
+    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True.
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 
 
 @torch.no_grad()
 def init_weights(model, seed):
-    # NOTE: values depend on (seed, name, device type) only, not on how the model is split: every later chapter
-    # starts from these weights and reproduces this loss curve.
+    # NOTE: from (seed, name, device type) only, not the model's split: later chapters reproduce this run.
     for name, param in model.named_parameters():
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full_value = torch.empty(param.shape, device=param.device).normal_(0, model.config.initializer_range,
-                                                                           generator=generator)
+        full_value = torch.empty(param.shape, device=param.device)
+        full_value.normal_(0, model.config.initializer_range, generator=generator)
         param.copy_(torch.ones_like(full_value) if name.endswith("norm.weight") else full_value)
 
 
@@ -238,12 +237,10 @@ def load_and_tokenize_dataset(args, tokenizer):
         columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
         require(columns.get(args.text_column) in ("string", "large_string"),
                 f"no text column {args.text_column!r} (columns: {columns}); pass --text-column")
-        tokenized = raw_dataset.map(
-            lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
-            batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
-                                batched=True, batch_size=10_000, desc="chunking")
-        # NOTE: a temporary name, then renamed (dropped if another run's came first): never a partial cache.
+        chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
+            tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
+            batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        # NOTE: renamed once whole (dropped if another run's came first): never a partial cache.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -261,13 +258,12 @@ def load_raw_dataset(dataset_name, dataset_subset):
     return datasets.load_dataset(dataset_name, dataset_subset, split="train")
 
 
-def cut_into_chunks(token_lists, seq_length):
-    stream = [token for tokens in token_lists for token in tokens]
+def cut_into_chunks(token_lists, eos_token_id, seq_length):
+    stream = [token for tokens in token_lists for token in [*tokens, eos_token_id]]
     return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
 
 
 def get_micro_batches(dataset, args, train_state, device):
-    """Micro-batches, epoch after epoch, from train_state's data position."""
     while True:
         yield from get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device)
         train_state["epoch"] += 1
@@ -297,14 +293,13 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
 
 
 def find_latest_checkpoint(experiment_dir):
-    # NOTE: a checkpoint folder gets its final name only once it is complete, so any "checkpoint-*" is whole.
+    # NOTE: a checkpoint folder gets its final name only once complete: any "checkpoint-*" is whole.
     checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
     return checkpoints[-1] if checkpoints else None
 
 
 def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config):
-    # NOTE: written into a temporary folder renamed once complete, and only then are older checkpoints deleted: a
-    # crash during the save leaves the previous checkpoint untouched.
+    # NOTE: a temporary folder, renamed once complete, then older checkpoints deleted: a crash keeps the last one.
     final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     shutil.rmtree(temporary_dir, ignore_errors=True)
@@ -327,7 +322,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
     require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
-    # NOTE: weights_only: a checkpoint runs no code. map_location: else every rank loads onto the saver's cuda:0.
+    # NOTE: weights_only: a checkpoint runs no code. map_location: else a tensor goes back to the device it left.
     model.load_state_dict(torch.load(checkpoint_dir / "model.pt", map_location=device, weights_only=True))
     optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True))
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
@@ -340,7 +335,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
+# NOTE: the current device's CUDA state only, not every visible device's: it resumes on any machine.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -355,9 +350,9 @@ def set_rng_state(rng_state):
 
 
 def get_wandb_mode(requested_mode):
-    # NOTE: online if you are logged in to wandb, offline otherwise: never stop and ask for an API key.
-    return requested_mode or os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False)
-                                                              else "offline")
+    # NOTE: never stop and ask for an API key.
+    return requested_mode or os.environ.get("WANDB_MODE") or (
+        "online" if wandb.login(prompt=False, verify=False) else "offline")
 
 
 def get_wandb_run_id(experiment_dir):
@@ -368,15 +363,15 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: PaLM's (appendix B) and torchtitan's formula: 6 per matmul weight, 12 * L * H * Q * T for attention.
-    # NOTE: the input embedding is a lookup, not a matmul, unless it is tied to the output head (Llama 3.2 1B, 3B).
+    # NOTE: 6 per matmul weight, 12 * L * H * Q * T for attention (PaLM's appendix B). The input embedding is a lookup,
+    # not a matmul, unless it is tied to the output head.
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-# Dense bf16 tensor-core peak, in FLOP/s: NVIDIA's data sheets (half their "with sparsity" figures; A10G: AWS's).
+# Dense bf16 peak FLOP/s: NVIDIA's data sheets (half the "with sparsity" figures; A10G: AWS's).
 PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
                    "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
@@ -385,7 +380,7 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40", "H100 NVL" contains "H100".
+    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40".
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]
@@ -409,13 +404,11 @@ def log_metrics(metrics_file, record):
                 f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
                 f" | ms: {times}")
     wandb.log(record, step=record["step"])
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()
+    print(json.dumps(record), file=metrics_file, flush=True)
 
 
 class StepTimer:
-    # NOTE: CUDA kernels run asynchronously, so the CPU's clock would time their queueing: CUDA events go into the
-    # GPU's stream instead, read on logging steps only.
+    # NOTE: the CPU's clock would time the queueing of asynchronous kernels: CUDA events, in the stream, time them.
 
     def __init__(self, device):
         self.use_cuda_events = device.type == "cuda"

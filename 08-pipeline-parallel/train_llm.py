@@ -116,7 +116,7 @@ def main():
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
-    # NOTE: fused=True: the whole update as one kernel per group of tensors, on the GPU and the CPU.
+    # NOTE: fused=True: one kernel per group of tensors.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
     # NOTE: the parameters are this rank's shards, so AdamW's moments are sharded too (with --cpu-offload, on the CPU).
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
@@ -185,7 +185,7 @@ def main():
             # NOTE: last-stage ranks hold their share's mean, the others 0: the sum / dp is the global batch's loss.
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             step_loss /= dp_size
-            # NOTE: .item() waits for the device: the only synchronization, and the clock then times the GPU.
+            # NOTE: only logging steps wait for the GPU (.item(), read_ms()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -215,8 +215,9 @@ def main():
 
 
 def get_parser():
-    parser = argparse.ArgumentParser(description="Train a Llama-style language model on one GPU, or on the CPU.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description="Train a Llama-style language model on one GPU, or on the CPU.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     group = parser.add_argument_group("model and data")
     group.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                        help="hub name, or folder with config.json and the tokenizer")
@@ -276,7 +277,8 @@ def require(condition, message):
 
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
-    # NOTE: one line, not a traceback per rank; an empty file raises StopIteration, a bad one a DatasetsError.
+    # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
+    # NOTE: every rank that fails prints it: one line per rank, not a traceback per rank.
     try:
         yield
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
@@ -338,7 +340,8 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    # NOTE: with one GPU bound to each process (Slurm's --gpus-per-task=1), every process sees only cuda:0.
+    # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
+    # NOTE: srun binds one GPU to each task with Slurm's --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
@@ -372,8 +375,7 @@ def rank_zero_first():
 
 
 def attention_implementation():
-    # NOTE: transformers' "sdpa" makes a mask from position_ids read on the host, a sync in every forward. Under a
-    # name without a mask function, SDPA runs with is_causal=True instead.
+    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True.
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 
@@ -473,12 +475,11 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    # NOTE: values depend on (seed, name, device type) only, not on how the model is split: every later chapter
-    # starts from these weights and reproduces this loss curve.
+    # NOTE: from (seed, name, device type) only, not the model's split: later chapters reproduce this run.
     for name, param in model.named_parameters():
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full_value = torch.empty(param.shape, device=param.device).normal_(0, model.config.initializer_range,
-                                                                           generator=generator)
+        full_value = torch.empty(param.shape, device=param.device)
+        full_value.normal_(0, model.config.initializer_range, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
         # NOTE: param is this rank's shard (a DTensor): its slice of the full value, chapter 01's weights exactly.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
@@ -507,12 +508,10 @@ def load_and_tokenize_dataset(args, tokenizer):
         columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
         require(columns.get(args.text_column) in ("string", "large_string"),
                 f"no text column {args.text_column!r} (columns: {columns}); pass --text-column")
-        tokenized = raw_dataset.map(
-            lambda batch: {"input_ids": [ids + [tokenizer.eos_token_id] for ids in tokenizer(batch[args.text_column])["input_ids"]]},
-            batched=True, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        chunked = tokenized.map(lambda batch: {"input_ids": cut_into_chunks(batch["input_ids"], args.seq_length)},
-                                batched=True, batch_size=10_000, desc="chunking")
-        # NOTE: a temporary name, then renamed (dropped if another run's came first): never a partial cache.
+        chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
+            tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
+            batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        # NOTE: renamed once whole (dropped if another run's came first): never a partial cache.
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -530,13 +529,12 @@ def load_raw_dataset(dataset_name, dataset_subset):
     return datasets.load_dataset(dataset_name, dataset_subset, split="train")
 
 
-def cut_into_chunks(token_lists, seq_length):
-    stream = [token for tokens in token_lists for token in tokens]
+def cut_into_chunks(token_lists, eos_token_id, seq_length):
+    stream = [token for tokens in token_lists for token in [*tokens, eos_token_id]]
     return [stream[start:start + seq_length] for start in range(0, len(stream) - seq_length + 1, seq_length)]
 
 
 def get_micro_batches(dataset, args, train_state, device, rank, world_size):
-    """Micro-batches, epoch after epoch, from train_state's data position."""
     while True:
         yield from get_dataloader(dataset, args, train_state["epoch"], train_state["samples_seen_in_epoch"], device,
                                   rank, world_size)
@@ -569,7 +567,7 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
 
 
 def find_latest_checkpoint(experiment_dir):
-    # NOTE: a checkpoint folder gets its final name only once it is complete, so any "checkpoint-*" is whole.
+    # NOTE: a checkpoint folder gets its final name only once complete: any "checkpoint-*" is whole.
     checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
     return checkpoints[-1] if checkpoints else None
 
@@ -603,8 +601,7 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
 
 
 def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
-    # NOTE: written into a temporary folder renamed once complete, and only then are older checkpoints deleted: a
-    # crash during the save leaves the previous checkpoint untouched.
+    # NOTE: a temporary folder, renamed once complete, then older checkpoints deleted: a crash keeps the last one.
     final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
@@ -641,7 +638,8 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the CUDA state of this process's GPU only (the current device): a run may resume with fewer GPUs visible.
+# NOTE: the current device's CUDA state only, not every visible device's: it resumes on any machine.
+# NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -656,9 +654,9 @@ def set_rng_state(rng_state):
 
 
 def get_wandb_mode(requested_mode):
-    # NOTE: online if you are logged in to wandb, offline otherwise: never stop and ask for an API key.
-    return requested_mode or os.environ.get("WANDB_MODE") or ("online" if wandb.login(prompt=False, verify=False)
-                                                              else "offline")
+    # NOTE: never stop and ask for an API key.
+    return requested_mode or os.environ.get("WANDB_MODE") or (
+        "online" if wandb.login(prompt=False, verify=False) else "offline")
 
 
 def get_wandb_run_id(experiment_dir):
@@ -669,15 +667,15 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: PaLM's (appendix B) and torchtitan's formula: 6 per matmul weight, 12 * L * H * Q * T for attention.
-    # NOTE: the input embedding is a lookup, not a matmul, unless it is tied to the output head (Llama 3.2 1B, 3B).
+    # NOTE: 6 per matmul weight, 12 * L * H * Q * T for attention (PaLM's appendix B). The input embedding is a lookup,
+    # not a matmul, unless it is tied to the output head.
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-# Dense bf16 tensor-core peak, in FLOP/s: NVIDIA's data sheets (half their "with sparsity" figures; A10G: AWS's).
+# Dense bf16 peak FLOP/s: NVIDIA's data sheets (half the "with sparsity" figures; A10G: AWS's).
 PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
                    "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
@@ -686,7 +684,7 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40", "H100 NVL" contains "H100".
+    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40".
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]
@@ -710,13 +708,11 @@ def log_metrics(metrics_file, record):
                 f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
                 f" | ms: {times}")
     wandb.log(record, step=record["step"])
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()
+    print(json.dumps(record), file=metrics_file, flush=True)
 
 
 class StepTimer:
-    # NOTE: CUDA kernels run asynchronously, so the CPU's clock would time their queueing: CUDA events go into the
-    # GPU's stream instead, read on logging steps only.
+    # NOTE: the CPU's clock would time the queueing of asynchronous kernels: CUDA events, in the stream, time them.
 
     def __init__(self, device):
         self.use_cuda_events = device.type == "cuda"

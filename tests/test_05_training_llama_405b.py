@@ -150,6 +150,7 @@ SHARDS_EQUAL_SLICES = PREAMBLE + """
 import torch.distributed as dist
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -159,7 +160,7 @@ rank, world_size = dist.get_rank(), dist.get_world_size()
 with torch.device("meta"):
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
 chapter.apply_activation_checkpointing(model)
-chapter.shard_model(model, torch.float32, cpu_offload=False)
+chapter.shard_model(model, init_device_mesh("cpu", (world_size,)), torch.float32, cpu_offload=False)
 model.to_empty(device="cpu")
 chapter.load_pretrained_weights(model, model_dir)
 figures = {"rank": rank, "tensors": 0, "elements": 0, "total_elements": 0, "largest_difference": 0.0}
@@ -215,6 +216,7 @@ def test_every_rank_holds_its_own_slices_of_the_safetensors(runs, env, tmp_path)
 # checkpointed layer the checkpoint's own hooks take over: what is counted is what stays in memory.
 ACTIVATIONS_KEPT = PREAMBLE + """
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -226,7 +228,7 @@ for checkpointing in [False, True]:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[2]), dtype=torch.float32)
     if checkpointing:
         chapter.apply_activation_checkpointing(model)
-    chapter.shard_model(model, torch.float32, cpu_offload=False)
+    chapter.shard_model(model, init_device_mesh("cpu", (1,)), torch.float32, cpu_offload=False)
     model.to_empty(device="cpu")
     chapter.init_weights(model, 0)
     chapter.reset_rotary_embeddings(model, torch.device("cpu"))

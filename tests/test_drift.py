@@ -8,10 +8,14 @@ to the byte (decorators, docstrings, comments inside and the comment lines right
 chapter's allowlist below names it and says why the lesson changes it; a statement in only one of the two scripts
 must be allowlisted too. An allowlisted name that no longer differs fails, so the allowlist stays the exact list of
 what the chapter changes, and the shared definitions must come in the same order, so that the diff stays short.
+Inside an allowlisted definition, a hunk that replaces lines with others of the same code (a reflow, a reworded
+comment) fails too, so that only the lesson's changes show in the diff; a chapter may add or remove comment lines.
 """
 
 import ast
 import difflib
+import io
+import tokenize
 
 import pytest
 
@@ -38,6 +42,9 @@ LINEAGE = {
         "rank_zero_first": "rank 0 prepares the data while the others wait",
         "find_latest_checkpoint_on_rank_zero": "every rank resumes from the checkpoint rank 0 finds",
         "write_checkpoint": "the writing save_checkpoint did, moved unchanged so that only rank 0 runs it",
+        "explain_load_errors": "every rank that fails prints the line: one line per rank, not a traceback per rank",
+        "load_checkpoint": "without map_location every rank would load onto cuda:0, where rank 0 saved from",
+        "get_rng_state": "with a GPU per process, the state saved is that process's GPU's",
     },
     ("02", "03"): {
         "main": "the rank, world size and rendezvous come from whichever launcher started the process",
@@ -45,16 +52,17 @@ LINEAGE = {
         "get_distributed_environment": "rank, world size and rendezvous from torchrun, srun or mpirun",
         "wait_for_rendezvous": "launchers that start every process at once wait for rank 0's endpoint",
         "find_free_port": "a launcher without torchrun picks the rendezvous port itself",
+        "get_device": "srun binds one GPU to each task (Slurm's --gpus-per-task=1)",
     },
     ("03", "04"): {
-        "main": "FSDP: the model built on the meta device and sharded, the optimizer over the shards, no autocast "
-                "and no no_sync(), no DDP and no ZeRO-1",
+        "main": "FSDP: the model built on the meta device and sharded over a 1-D device mesh of all ranks, the "
+                "optimizer over the shards, no autocast and no no_sync(), no DDP and no ZeRO-1",
         "get_parser": "the --cpu-offload option, without --zero1",
         "init_weights": "each rank fills only its shard (a DTensor) of the full seeded value",
         "save_checkpoint": "every rank writes its own shards with torch.distributed.checkpoint",
         "write_checkpoint": "only the small files are left to rank 0",
         "load_checkpoint": "each rank reads its own shards, resharding to the current world size",
-        "shard_model": "FSDP: each layer, and the rest of the model, sharded as one group",
+        "shard_model": "FSDP: each layer, and the rest of the model, sharded as one group over the mesh",
         "reset_rotary_embeddings": "a model built on the meta device recomputes its rotary buffers",
         "log_memory_held": "each rank shows it holds 1/N of parameters, gradients and optimizer state",
     },
@@ -104,10 +112,11 @@ LINEAGE = {
         "clip_grad_norm_across_stages": "the gradient norm over all stages",
     },
     ("06", "07"): {
-        "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes",
-        "get_parser": "the --tp and --dp-replicate options",
+        "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes, with "
+                "chapter 04's --cpu-offload",
+        "get_parser": "the --tp and --dp-replicate options, and chapter 04's --cpu-offload back: FSDP offloads",
         "get_device_mesh": "the 2D mesh",
-        "shard_model": "FSDP (optionally hybrid) across the dp dimensions",
+        "shard_model": "chapter 04's FSDP, unchanged (COPIES), over the dp dimensions of the mesh",
     },
     ("04", "09"): {
         "main": "a (dp, cp) device mesh, the attention across the split registered with transformers, data parallel "
@@ -142,7 +151,8 @@ LINEAGE = {
                 "both meshes",
         "get_parser": "the --ep option, and the tiny mixture-of-experts model as the default",
         "parse_args": "--ep must be at least 1 too",
-        "shard_model": "each MoE layer's experts split over ep and FSDP-sharded over edp, in a group of their own",
+        "shard_model": "each MoE layer's experts split over ep and FSDP-sharded over edp, in a group of their own; "
+                       "the rest sharded over the (edp, ep) mesh flattened",
         "shard_experts": "the experts' sharding and gradient reduction",
         "# 1b. Expert parallelism": "the section of expert parallelism",
         "get_device_mesh": "the (edp, ep) mesh, and a degree that cannot split the experts gets a one-line error",
@@ -200,9 +210,46 @@ for allowed in LINEAGE.values():
     allowed.update({"__doc__": "the chapter's own summary and commands", "imports": "what the chapter's code uses"})
 MUST_EXIST = {("01", "02")}
 
-# (source chapter, chapter) -> the definitions a chapter with two or more parents takes from one that is not its
-# base: each must stay byte-identical to the source's (chapter 11 is chapter 07 with 08's pipeline and 09's split).
+# (base chapter, chapter) -> {a comment line the chapter rewords, inside an allowlisted definition, away from the code
+# it is about: why the lesson rewords it}. Any other hunk of comments or formatting alone fails (find_reflows).
+REWORDED = {
+    ("04", "05"): {
+        "# 1. The model: built empty, sharded, then filled with its pretrained weights (or from the seed if it has "
+        "none).": "the section now loads pretrained weights",
+    },
+    ("04", "06"): {
+        "# NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too.":
+            "tensor parallelism slices the parameters instead of sharding them",
+    },
+    ("04", "08"): {
+        "# 1. The model: built from its config (untrained), cut into stages, every parameter initialized from the "
+        "seed.": "the model is cut into stages",
+        "# 6. The training loop, one pipeline schedule per micro-step.": "the loop runs the pipeline's schedule",
+        "# NOTE: last-stage ranks hold their share's mean, the others 0: the sum / dp is the global batch's loss.":
+            "only the last stage computes a loss; it is divided by dp, not the world size, a few lines on",
+    },
+    ("04", "09"): {
+        "# NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.":
+            "the loss is summed, not averaged: the division by the world size is gone a line on",
+    },
+    ("06", "07"): {
+        "# NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too (with --cpu-offload, on the "
+        "CPU).": "chapter 07 brings back chapter 04's --cpu-offload",
+    },
+    ("07", "11"): {
+        "# 1. The model: built from its config (untrained), parallelized in four dimensions, initialized from the seed.":
+            "parallelize() composes the four dimensions where chapter 07 composed two",
+        "# 6. The training loop, one pipeline schedule per micro-step.": "chapter 08's loop, the pipeline's schedule",
+        "# NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.":
+            "chapter 08's loss of the last stage, which the tp ranks of a share hold alike",
+    },
+}
+
+# (source chapter, chapter) -> the definitions a chapter takes from another chapter than its base (a second parent,
+# or an ancestor whose definition the base drops): each must stay byte-identical to the source's (chapter 11 is
+# chapter 07 with 08's pipeline and 09's split; chapter 07 brings back chapter 04's FSDP, which chapter 06 has not).
 COPIES = {
+    ("04", "07"): ["shard_model"],
     ("08", "11"): ["PIPELINE_SCHEDULES", "check_pipeline_layout", "split_into_stages", "DecoderStage",
                    "# 6. The training loop: the pipeline", "build_pipeline_schedule", "FSDPPipelineStage",
                    "clip_grad_norm_across_stages", "save_checkpoint"],
@@ -260,11 +307,40 @@ def top_level_definitions(source):
     return definitions
 
 
-def find_drift(base_source, chapter_source, allowed, base_name="base", chapter_name="chapter"):
+def code_tokens_by_line(text):
+    """{line number: [token, ...]} of the code of a statement's text: comments, line breaks and indentation left out;
+    a string over several lines (a docstring) is cut into its lines, each on its own."""
+    tokens = {}
+    skipped = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type not in skipped:
+            for row, piece in enumerate(token.string.split("\n"), token.start[0]):
+                tokens.setdefault(row, []).append(piece)
+    return tokens
+
+
+def find_reflows(base_text, chapter_text):
+    """The hunks of a changed definition that replace lines with lines of the same code: only comments, line breaks
+    or spacing differ. Each is the hunk's diff lines, "-" for the base's, "+" for the chapter's."""
+    base_lines, chapter_lines = base_text.splitlines(), chapter_text.splitlines()
+    base_tokens, chapter_tokens = code_tokens_by_line(base_text), code_tokens_by_line(chapter_text)
+    matcher = difflib.SequenceMatcher(a=base_lines, b=chapter_lines, autojunk=False)
+    reflows = []
+    for operation, base_start, base_end, chapter_start, chapter_end in matcher.get_opcodes():
+        base_code = [token for row in range(base_start + 1, base_end + 1) for token in base_tokens.get(row, [])]
+        chapter_code = [token for row in range(chapter_start + 1, chapter_end + 1)
+                        for token in chapter_tokens.get(row, [])]
+        if operation == "replace" and base_code == chapter_code:
+            reflows.append([f"-{line}" for line in base_lines[base_start:base_end]] +
+                           [f"+{line}" for line in chapter_lines[chapter_start:chapter_end]])
+    return reflows
+
+
+def find_drift(base_source, chapter_source, allowed, base_name="base", chapter_name="chapter", reworded=()):
     """What breaks the drift check, one message per problem; an empty list when the chapter is clean."""
     base, chapter = top_level_definitions(base_source), top_level_definitions(chapter_source)
     shared = [name for name in base if name in chapter]
-    problems = []
+    problems, rewords_found = [], set()
     for name in shared:
         if name not in allowed and base[name] != chapter[name]:
             diff = list(difflib.unified_diff(base[name].splitlines(), chapter[name].splitlines(), base_name,
@@ -272,6 +348,15 @@ def find_drift(base_source, chapter_source, allowed, base_name="base", chapter_n
             shown = "\n".join(diff[:30] + ([f"... ({len(diff) - 30} more lines)"] if len(diff) > 30 else []))
             problems.append(f"{name} drifted from the base chapter; make it identical again, or add it to the "
                             f"allowlist with the reason this chapter's lesson changes it:\n{shown}")
+        elif name in allowed and base[name] != chapter[name]:
+            for reflow in find_reflows(base[name], chapter[name]):
+                new_lines = [line[1:].strip() for line in reflow if line.startswith("+")]
+                if new_lines[0] in reworded:
+                    rewords_found.add(new_lines[0])
+                    continue
+                problems.append(f"{name} changes only comments or formatting in these lines, which the lesson does not "
+                                f"need; make them identical to {base_name}'s again, or change them with the code they "
+                                "are about:\n" + "\n".join(reflow))
     for name in [*[name for name in base if name not in chapter], *[name for name in chapter if name not in base]]:
         if name not in allowed:
             where = chapter_name if name in chapter else base_name
@@ -282,6 +367,10 @@ def find_drift(base_source, chapter_source, allowed, base_name="base", chapter_n
             problems.append(f"the allowlisted {name} is in neither script: remove it from the allowlist")
         elif name in base and name in chapter and base[name] == chapter[name]:
             problems.append(f"the allowlisted {name} is identical in both scripts: remove it from the allowlist")
+    for line in reworded:
+        if line not in rewords_found:
+            problems.append(f"the reworded comment {line!r} is not in a hunk of comments alone: remove it from "
+                            "REWORDED")
     chapter_order = [name for name in chapter if name in base]
     if chapter_order != shared:
         matcher = difflib.SequenceMatcher(a=shared, b=chapter_order, autojunk=False)
@@ -297,7 +386,7 @@ def test_a_chapter_changes_only_what_it_teaches(base, chapter):
         pytest.skip(f"no {script(base).relative_to(REPO)} or {script(chapter).relative_to(REPO)} yet")
     base_name, chapter_name = (str(script(name).relative_to(REPO)) for name in (base, chapter))
     problems = find_drift(script(base).read_text(), script(chapter).read_text(), LINEAGE[base, chapter],
-                          base_name, chapter_name)
+                          base_name, chapter_name, REWORDED.get((base, chapter), {}))
     assert not problems, f"{chapter_name} vs its base {base_name}:\n\n" + "\n\n".join(problems)
 
 
@@ -344,7 +433,7 @@ def test_the_copies_check_names_an_edited_copy_and_a_stale_name():
 EDITS = {
     "code": ("cut_into_chunks", "range(0, len(stream) - seq_length + 1, seq_length)",
              "range(0, len(stream) - seq_length, seq_length)"),
-    "comment": ("find_latest_checkpoint", "# NOTE: a checkpoint folder gets its final name only once it is complete",
+    "comment": ("find_latest_checkpoint", "# NOTE: a checkpoint folder gets its final name only once complete",
                 "# NOTE: a checkpoint folder is renamed when complete"),
     "decorator": ("init_weights", "@torch.no_grad()\ndef init_weights", "def init_weights"),
     "constant": ("PEAK_BF16_FLOPS", '"H200": 989e12', '"H200": 990e12'),
@@ -398,3 +487,43 @@ def test_the_check_names_what_a_chapter_adds_outside_its_definitions(addition):
     assert chapter_source.count(old) == 1
     problems = find_drift(script("01").read_text(), chapter_source.replace(old, new), LINEAGE["01", "02"])
     assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+# Each edit below, made to chapter 02 alone inside its allowlisted main(), changes no code: it must be caught and named.
+FUSED_NOTE = "    # NOTE: fused=True: one kernel per group of tensors."
+REFLOWS = {
+    "reflow": ("    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(\n"
+               "        optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))",
+               "    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,\n"
+               "        lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))"),
+    "reworded comment": (FUSED_NOTE, FUSED_NOTE.replace("one kernel per group", "a kernel for each group")),
+}
+
+
+@pytest.mark.parametrize("edit", REFLOWS)
+def test_the_check_names_a_reflow_inside_an_allowlisted_definition(edit):
+    old, new = REFLOWS[edit]
+    base_source, chapter_source = script("01").read_text(), script("02").read_text()
+    assert chapter_source.count(old) == 1
+    problems = find_drift(base_source, chapter_source.replace(old, new), LINEAGE["01", "02"])
+    assert len(problems) == 1 and problems[0].startswith("main changes only comments or formatting"), problems
+    assert problems[0].endswith("\n".join([*(f"-{line}" for line in old.splitlines()),
+                                           *(f"+{line}" for line in new.splitlines())]))
+    # Justified in REWORDED, the same hunk passes; a justification that matches no hunk is named.
+    reworded = {new.splitlines()[0].strip(): "a reason"}
+    assert find_drift(base_source, chapter_source.replace(old, new), LINEAGE["01", "02"], reworded=reworded) == []
+    assert find_drift(base_source, chapter_source, LINEAGE["01", "02"], reworded=reworded) == [
+        f"the reworded comment {new.splitlines()[0].strip()!r} is not in a hunk of comments alone: remove it from "
+        "REWORDED"]
+
+
+def test_the_check_lets_a_chapter_add_a_comment_line_or_reword_one_with_its_code():
+    base_source, chapter_source = script("01").read_text(), script("02").read_text()
+    assert chapter_source.count(FUSED_NOTE + "\n") == 1
+    added = chapter_source.replace(FUSED_NOTE + "\n", FUSED_NOTE + "\n    # NOTE: a sentence this chapter adds.\n")
+    assert find_drift(base_source, added, LINEAGE["01", "02"]) == []
+    old = FUSED_NOTE + "\n    adamw_options = dict(lr=args.lr, betas=(0.9, 0.95),"
+    assert chapter_source.count(old) == 1
+    changed = chapter_source.replace(old, "    # NOTE: another beta.\n"
+                                          "    adamw_options = dict(lr=args.lr, betas=(0.9, 0.99),")
+    assert find_drift(base_source, changed, LINEAGE["01", "02"]) == []
