@@ -9,8 +9,9 @@
 # beside it) with those two releases from PyPI and requirements-dev.txt's other pins, then runs in it each
 # chapter's parity test at its smallest layout (01: resume; 02 DDP, 03 two torchrun agents, 04 FSDP, 06 TP and 07
 # dp1-tp2 at 2 ranks; 05 the pretrained loss and flash attention's kwargs; 08 1f1b and interleaved at pp 2; 09
-# the split attention module by module and cp2-ring), the resumes that lean on torch's checkpointing (04, 08 at pp
-# 2, 09), and the bf16 parity of 08 and 09 (pipelining and DTensor are where releases differ most).
+# the split attention module by module and cp2-ring; 10 ep2; 11 tp2-pp2), the resumes that lean on torch's
+# checkpointing (04, 08 at pp 2, 09, 10 from ep 2 to ep 4, 11), and the bf16 parity of 08 and 09 (pipelining and
+# DTensor are where releases differ most).
 # PyPI's torch wheels other than the CPU build are CUDA builds: the first build downloads about 4 GB.
 set -euo pipefail
 [ $# -ge 2 ] || { echo "error: usage: bash dev/check_versions.sh TORCH_VERSION TRANSFORMERS_VERSION [PYTEST_ARGS]" >&2
@@ -52,6 +53,10 @@ status=0
     "tests/test_09_context_parallel.py::test_the_split_attention_equals_full_causal_attention_module_by_module" \
     "tests/test_09_context_parallel.py::test_context_parallel_reproduces_chapter_01_losses[cp2-ring]" \
     "tests/test_09_context_parallel.py::test_resume_is_exact" \
+    "tests/test_10_expert_parallel.py::test_expert_parallelism_reproduces_chapter_01_losses[ep2]" \
+    "tests/test_10_expert_parallel.py::test_resume_at_another_ep_reshards_the_experts" \
+    "tests/test_11_4d_parallel.py::test_every_layout_matches_one_process_with_the_same_global_batch[tp2-pp2]" \
+    "tests/test_11_4d_parallel.py::test_resume_in_the_same_4d_layout_is_exact" \
     "tests/test_bf16_parity.py::test_bf16_losses_stay_close_to_chapter_01[08]" \
     "tests/test_bf16_parity.py::test_bf16_losses_stay_close_to_chapter_01[09]" || status=$?
 finished=$(date +%s)
