@@ -111,7 +111,7 @@ ALL_READMES = sorted(path for path in REPO.rglob("*.md") if not any(
     part.startswith(".") or part in ("outputs", "logs") for part in path.relative_to(REPO).parts))
 IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)\s]+)[^)]*\)|<img[^>]*\ssrc=\"([^\"]+)\"")
 TOOLS_WITH_HELP = ["tools/plot_runs.py", "dev/make_figures.py", "tools/estimate_memory.py", "tools/measure_step.py",
-                   "tools/generate.py", "tools/diff_chapters.py"]
+                   "tools/generate.py", "tools/diff_chapters.py", "dev/check_mutations.py"]
 
 
 @pytest.mark.quick
@@ -151,6 +151,18 @@ def test_the_dry_run_tables_show_what_the_estimator_computes_now():
         assert {row[0]: row[1] for row in cells[2:]} == expected, \
             f"{readme}'s table {name}: the estimate has changed; run python dev/make_figures.py --dry-runs"
         assert f"`python tools/dry_run.py {arguments}`" in match.group(2)
+
+
+@pytest.mark.quick
+def test_every_mutation_still_applies_to_its_chapter_and_names_a_test_that_exists():
+    sys.path.insert(0, str(REPO / "dev"))
+    import check_mutations
+
+    for name, (path, old, new, test) in check_mutations.MUTATIONS.items():
+        assert (REPO / path).read_text().count(old) == 1, f"{name}: its text is not once in {path}"
+        test_file, test_name = test.split("::")
+        assert re.search(rf"^def {re.escape(test_name.split('[')[0])}\(", (REPO / test_file).read_text(), re.MULTILINE), \
+            f"{name}: no {test}"
 
 
 @pytest.mark.parametrize("tool", TOOLS_WITH_HELP)
