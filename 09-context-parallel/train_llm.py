@@ -368,7 +368,6 @@ def get_device_mesh(device, world_size, cp_degree):
 
 
 def check_context_parallel(args, config):
-    """A split into equal chunks, with attention the chapter's forms compute: plain causal, no window, no dropout."""
     if args.cp == 1:
         return
     chunks = 2 * args.cp if args.cp_load_balance == "on" else args.cp
@@ -382,7 +381,6 @@ def check_context_parallel(args, config):
 
 
 def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
-    """Register the split attention with transformers and no mask function (the layout says what a query sees)."""
     name = f"context_parallel_{cp_attention.replace('-', '_')}"
     form = ring_attention if cp_attention == "ring" else all_to_all_attention
     AttentionInterface.register(name, functools.partial(form, cp_mesh=cp_mesh, load_balance=load_balance))
@@ -433,8 +431,7 @@ def reset_rotary_embeddings(model, device):
 
 
 def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
-    """The positions of the tokens cp rank cp_rank holds: chunk cp_rank of cp_size, or with load balancing chunks
-    cp_rank and 2 x cp_size - 1 - cp_rank of 2 x cp_size (one early, one late: equal work under the causal mask)."""
+    # NOTE: load-balanced, one early chunk and one late: equal work under the causal mask.
     chunks = 2 * cp_size if load_balance else cp_size
     chunk = seq_length // chunks
     owned = [cp_rank, chunks - 1 - cp_rank] if load_balance else [cp_rank]
@@ -456,14 +453,12 @@ def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
 
 
 def ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
-    """Ring attention as a transformers attention function, over this rank's tokens."""
     output = RingAttention.apply(query, key, value, scaling, cp_mesh.get_group(), load_balance)
     return output.transpose(1, 2), None
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the key/value blocks of the ring, merged by the online softmax;
-    backward passes the blocks around again, each with its gradient, which every rank adds to on the way."""
+    """This rank's queries over the ring's key/value blocks; backward passes them around again with their gradients."""
 
     @staticmethod
     def forward(ctx, query, key, value, scale, group, load_balance):
@@ -510,7 +505,6 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_steps(key_value, group, load_balance):
-    """Yield (step, the key/value block this rank holds, visible_block() of it) for the cp steps of a ring."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     for step in range(size):
         if step < size - 1:
@@ -522,7 +516,6 @@ def ring_steps(key_value, group, load_balance):
 
 
 def start_ring_pass(tensor, group, tag):
-    """Send tensor to the next rank, receive the previous rank's; returns at once, with a function that waits for it."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(tensor)
     requests = dist.batch_isend_irecv([
@@ -538,9 +531,8 @@ def start_ring_pass(tensor, group, tag):
 
 
 def visible_block(rank, source, local_length, load_balance):
-    """Which of this rank's queries see which of the source rank's keys: (query rows, key columns, causal) or None.
-    Unbalanced, an earlier rank's block is all visible and a later one's not at all. Balanced, our queries see an
-    earlier rank's early half, and only our late half sees a later rank's block: half a block either way."""
+    """(query rows, key columns, causal) of the source rank's block that this rank's queries see, or None."""
+    # NOTE: balanced, our queries see an earlier rank's early half, and only our late half sees a later rank's block.
     everything = slice(None)
     if source == rank:
         return everything, everything, True
@@ -553,8 +545,7 @@ def visible_block(rank, source, local_length, load_balance):
 
 
 def attention_block(query, key, value, scale, causal):
-    """softmax(query key^T x scale) value for one block, and each query's log-sum-exp (fp32, natural log, (batch,
-    heads, queries)): one call of SDPA's fused kernel, which keeps the scores in fp32 on chip, a tile at a time."""
+    """softmax(query key^T x scale) value of one block, and each query's log-sum-exp: SDPA's fused kernel."""
     if query.device.type == "cpu":
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
                                                                                  scale=scale)
@@ -571,8 +562,7 @@ def attention_block(query, key, value, scale, causal):
 
 
 def attention_block_backward(grad_output, query, key, value, output, lse, scale, causal):
-    """The gradients of one block's queries, keys and values by the fused kernel's backward, from the final output
-    and log-sum-exp: it computes the softmax's delta, the sum of grad_output x output per query, from them."""
+    """One block's gradients by the fused kernel's backward, from the final output and log-sum-exp."""
     lse = lse.contiguous()
     if query.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -598,8 +588,7 @@ def repeat_key_value_heads(query, key, value):
 
 
 def merge_block(output, lse, block_output, block_lse):
-    """Fold one block's attention into the running output and log-sum-exp, in place: the two averages weighted
-    by their shares of the total, exp(lse_part - lse_total), are the average over all the keys."""
+    """Fold one block's attention into the running output and log-sum-exp, in place (the online softmax)."""
     total_lse = torch.logaddexp(lse, block_lse)
     output.mul_(torch.exp(lse - total_lse).unsqueeze(-1))
     output.add_(block_output * torch.exp(block_lse - total_lse).unsqueeze(-1))
@@ -639,7 +628,6 @@ def head_to_sequence_shards(states, group, layout):
 
 
 class AllToAll(torch.autograd.Function):
-    """Piece j (of dimension 0) to rank j, rank j's back as piece j; backward: the same exchange of gradients."""
 
     @staticmethod
     def forward(ctx, pieces, group):
