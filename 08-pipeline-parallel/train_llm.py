@@ -385,7 +385,6 @@ PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Int
 
 
 def check_pipeline_layout(args, world_size, config):
-    """The stages per rank and the micro-batches per micro-step, or a one-line error if they cannot be made."""
     require(args.pp >= 1 and world_size % args.pp == 0,
             f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}")
     one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
@@ -449,8 +448,7 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden_states):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(hidden_states)
-        # NOTE: each stage computes the rotary embeddings itself, at the positions it is given, and needs no mask:
-        # the attention is causal by itself.
+        # NOTE: the rotary embeddings at the positions the stage is given; no mask: the attention is causal by itself.
         position_ids = self.position_ids
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers.values():
@@ -775,8 +773,6 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
 
 
 class FSDPPipelineStage(PipelineStage):
-    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in timer."""
-
     def __init__(self, *args, timer, **kwargs):
         super().__init__(*args, **kwargs)
         self.timer = timer

@@ -392,8 +392,7 @@ def rank_zero_first():
 
 
 def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
-    """The four dimensions composed in torchtitan's order (parallelize_llama): the model cut into this rank's pipeline
-    stages, their layers split by tensor parallelism, attention split across cp, then FSDP on each stage."""
+    """The four dimensions in torchtitan's order (parallelize_llama): pp, tp, cp, then FSDP on each stage."""
     stage_modules = split_into_stages(model, mesh["pp"].get_local_rank(), args.pp, stages_per_rank,
                                       token_indices.unsqueeze(0))
     parallelize_model(model, mesh["tp"])
@@ -437,7 +436,6 @@ PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Int
 
 
 def check_pipeline_layout(args, world_size, config):
-    """The stages per rank and the micro-batches per micro-step, or a one-line error if they cannot be made."""
     require(args.pp >= 1 and world_size % args.pp == 0,
             f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}")
     one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
@@ -501,8 +499,7 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden_states):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(hidden_states)
-        # NOTE: each stage computes the rotary embeddings itself, at the positions it is given, and needs no mask:
-        # the attention is causal by itself.
+        # NOTE: the rotary embeddings at the positions the stage is given; no mask: the attention is causal by itself.
         position_ids = self.position_ids
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers.values():
@@ -1067,8 +1064,7 @@ def log_memory_held(model, optimizer):
 
 
 def get_loss_function(model, config, num_labels, timer):
-    """The last stage's loss of each micro-batch's logits and shifted labels: Hugging Face's sum over the micro-batch
-    divided by num_labels, the labels of the step on every rank; timed as forward."""
+    """The last stage's loss of a micro-batch: its sum over num_labels, the step's labels on every rank."""
     def loss_function(logits, labels):
         with timer("forward"):
             return model.loss_function(logits=logits, labels=labels, shift_labels=labels, vocab_size=config.vocab_size,
@@ -1089,8 +1085,6 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
 
 
 class FSDPPipelineStage(PipelineStage):
-    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in timer."""
-
     def __init__(self, *args, timer, **kwargs):
         super().__init__(*args, **kwargs)
         self.timer = timer
