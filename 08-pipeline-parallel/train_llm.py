@@ -432,8 +432,7 @@ def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
 
 
 class DecoderStage(torch.nn.Module):
-    # NOTE: the model's own modules: the embeddings (first stage), a run of decoder layers, the norm and output head
-    # (last). Its forward maps the tokens (first stage) or the previous stage's hidden states to the next's.
+    """The model's own modules of one stage: the embeddings (first stage), decoder layers, the norm and head (last)."""
 
     def __init__(self, model, stage_index, num_stages, layer_indices, position_ids):
         super().__init__()

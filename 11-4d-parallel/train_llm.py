@@ -1,6 +1,5 @@
-"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained. parallelize() cuts
-the model into pipeline stages (chapter 08), splits their layers over --tp ranks (chapter 06) and their sequences over
---cp ranks (chapter 09), and shards each stage with FSDP over the data-parallel ranks left (chapter 04).
+"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained: parallelize() composes
+pipeline stages (chapter 08), tensor (06) and context parallelism (09), and FSDP over the ranks left (04).
 
     torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
     # 64 nodes of 8 GPUs: tp 8 in a node, cp 4 and pp 8 across nodes, dp 2 (what is left), with chapter 03's job script:
@@ -483,8 +482,7 @@ def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
 
 
 class DecoderStage(torch.nn.Module):
-    # NOTE: the model's own modules: the embeddings (first stage), a run of decoder layers, the norm and output head
-    # (last). Its forward maps the tokens (first stage) or the previous stage's hidden states to the next's.
+    """The model's own modules of one stage: the embeddings (first stage), decoder layers, the norm and head (last)."""
 
     def __init__(self, model, stage_index, num_stages, layer_indices, position_ids):
         super().__init__()
@@ -1063,7 +1061,6 @@ def log_memory_held(model, optimizer):
 
 
 def get_loss_function(model, config, num_labels, timer):
-    """The last stage's loss of a micro-batch: its sum over num_labels, the step's labels on every rank."""
     def loss_function(logits, labels):
         with timer("forward"):
             return model.loss_function(logits=logits, labels=labels, shift_labels=labels, vocab_size=config.vocab_size,
