@@ -238,16 +238,16 @@ def get_parser():
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
     group.add_argument("--max-grad-norm", type=float, default=1.0)
-    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the experiment, resumes included")
+    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps, resumes included")
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
-    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps of this run")
+    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps")
     group = parser.add_argument_group("checkpoints and logging")
     group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
     group.add_argument("--save-dir", default="outputs")
     group.add_argument("--log-freq", type=int, default=10)
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
-                       help="default: online if logged in to wandb, else offline")
+                       help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
     group = parser.add_argument_group("parallelism")
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
@@ -385,7 +385,6 @@ PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Int
 
 
 def check_pipeline_layout(args, world_size, config):
-    """The stages per rank and the micro-batches per micro-step, or a one-line error if they cannot be made."""
     require(args.pp >= 1 and world_size % args.pp == 0,
             f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}")
     one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
@@ -433,8 +432,7 @@ def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
 
 
 class DecoderStage(torch.nn.Module):
-    # NOTE: the model's own modules: the embeddings (first stage), a run of decoder layers, the norm and output head
-    # (last). Its forward maps the tokens (first stage) or the previous stage's hidden states to the next's.
+    """The model's own modules of one stage: the embeddings (first stage), decoder layers, the norm and head (last)."""
 
     def __init__(self, model, stage_index, num_stages, layer_indices, position_ids):
         super().__init__()
@@ -449,8 +447,7 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden_states):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(hidden_states)
-        # NOTE: each stage computes the rotary embeddings itself, at the positions it is given, and needs no mask:
-        # the attention is causal by itself.
+        # NOTE: the rotary embeddings at the positions the stage is given; no mask: the attention is causal by itself.
         position_ids = self.position_ids
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers.values():
@@ -511,7 +508,7 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        # NOTE: renamed once whole (dropped if another run's came first): never a partial cache.
+        # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -567,7 +564,7 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
 
 
 def find_latest_checkpoint(experiment_dir):
-    # NOTE: a checkpoint folder gets its final name only once complete: any "checkpoint-*" is whole.
+    # NOTE: a folder is named "checkpoint-*" only once complete.
     checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
     return checkpoints[-1] if checkpoints else None
 
@@ -638,7 +635,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only, not every visible device's: it resumes on any machine.
+# NOTE: the current device's CUDA state only: it resumes on any machine.
 # NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -667,8 +664,7 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: 6 per matmul weight, 12 * L * H * Q * T for attention (PaLM's appendix B). The input embedding is a lookup,
-    # not a matmul, unless it is tied to the output head.
+    # NOTE: 6 per matmul weight (the input embedding is a lookup, unless tied), 12 * L * H * Q * T for attention (PaLM).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -775,8 +771,6 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
 
 
 class FSDPPipelineStage(PipelineStage):
-    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in timer."""
-
     def __init__(self, *args, timer, **kwargs):
         super().__init__(*args, **kwargs)
         self.timer = timer

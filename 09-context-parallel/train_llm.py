@@ -217,16 +217,16 @@ def get_parser():
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
     group.add_argument("--max-grad-norm", type=float, default=1.0)
-    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the experiment, resumes included")
+    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps, resumes included")
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
-    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps of this run")
+    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps")
     group = parser.add_argument_group("checkpoints and logging")
     group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
     group.add_argument("--save-dir", default="outputs")
     group.add_argument("--log-freq", type=int, default=10)
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
-                       help="default: online if logged in to wandb, else offline")
+                       help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
     group = parser.add_argument_group("parallelism")
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
@@ -368,7 +368,6 @@ def get_device_mesh(device, world_size, cp_degree):
 
 
 def check_context_parallel(args, config):
-    """A split into equal chunks, with attention the chapter's forms compute: plain causal, no window, no dropout."""
     if args.cp == 1:
         return
     chunks = 2 * args.cp if args.cp_load_balance == "on" else args.cp
@@ -382,7 +381,6 @@ def check_context_parallel(args, config):
 
 
 def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
-    """Register the split attention with transformers and no mask function (the layout says what a query sees)."""
     name = f"context_parallel_{cp_attention.replace('-', '_')}"
     form = ring_attention if cp_attention == "ring" else all_to_all_attention
     AttentionInterface.register(name, functools.partial(form, cp_mesh=cp_mesh, load_balance=load_balance))
@@ -433,8 +431,7 @@ def reset_rotary_embeddings(model, device):
 
 
 def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
-    """The positions of the tokens cp rank cp_rank holds: chunk cp_rank of cp_size, or with load balancing chunks
-    cp_rank and 2 x cp_size - 1 - cp_rank of 2 x cp_size (one early, one late: equal work under the causal mask)."""
+    # NOTE: load-balanced, one early chunk and one late: equal work under the causal mask.
     chunks = 2 * cp_size if load_balance else cp_size
     chunk = seq_length // chunks
     owned = [cp_rank, chunks - 1 - cp_rank] if load_balance else [cp_rank]
@@ -456,14 +453,12 @@ def get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance):
 
 
 def ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
-    """Ring attention as a transformers attention function, over this rank's tokens."""
     output = RingAttention.apply(query, key, value, scaling, cp_mesh.get_group(), load_balance)
     return output.transpose(1, 2), None
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the key/value blocks of the ring, merged by the online softmax;
-    backward passes the blocks around again, each with its gradient, which every rank adds to on the way."""
+    """This rank's queries over the ring's key/value blocks; backward passes them around again with their gradients."""
 
     @staticmethod
     def forward(ctx, query, key, value, scale, group, load_balance):
@@ -510,7 +505,6 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_steps(key_value, group, load_balance):
-    """Yield (step, the key/value block this rank holds, visible_block() of it) for the cp steps of a ring."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     for step in range(size):
         if step < size - 1:
@@ -522,7 +516,6 @@ def ring_steps(key_value, group, load_balance):
 
 
 def start_ring_pass(tensor, group, tag):
-    """Send tensor to the next rank, receive the previous rank's; returns at once, with a function that waits for it."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(tensor)
     requests = dist.batch_isend_irecv([
@@ -538,9 +531,8 @@ def start_ring_pass(tensor, group, tag):
 
 
 def visible_block(rank, source, local_length, load_balance):
-    """Which of this rank's queries see which of the source rank's keys: (query rows, key columns, causal) or None.
-    Unbalanced, an earlier rank's block is all visible and a later one's not at all. Balanced, our queries see an
-    earlier rank's early half, and only our late half sees a later rank's block: half a block either way."""
+    """(query rows, key columns, causal) of the source rank's block that this rank's queries see, or None."""
+    # NOTE: balanced, our queries see an earlier rank's early half, and only our late half sees a later rank's block.
     everything = slice(None)
     if source == rank:
         return everything, everything, True
@@ -553,8 +545,7 @@ def visible_block(rank, source, local_length, load_balance):
 
 
 def attention_block(query, key, value, scale, causal):
-    """softmax(query key^T x scale) value for one block, and each query's log-sum-exp (fp32, natural log, (batch,
-    heads, queries)): one call of SDPA's fused kernel, which keeps the scores in fp32 on chip, a tile at a time."""
+    """softmax(query key^T x scale) value of one block, and each query's log-sum-exp: SDPA's fused kernel."""
     if query.device.type == "cpu":
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
                                                                                  scale=scale)
@@ -571,8 +562,7 @@ def attention_block(query, key, value, scale, causal):
 
 
 def attention_block_backward(grad_output, query, key, value, output, lse, scale, causal):
-    """The gradients of one block's queries, keys and values by the fused kernel's backward, from the final output
-    and log-sum-exp: it computes the softmax's delta, the sum of grad_output x output per query, from them."""
+    """One block's gradients by the fused kernel's backward, from the final output and log-sum-exp."""
     lse = lse.contiguous()
     if query.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -598,8 +588,7 @@ def repeat_key_value_heads(query, key, value):
 
 
 def merge_block(output, lse, block_output, block_lse):
-    """Fold one block's attention into the running output and log-sum-exp, in place: the two averages weighted
-    by their shares of the total, exp(lse_part - lse_total), are the average over all the keys."""
+    """Fold one block's attention into the running output and log-sum-exp, in place (the online softmax)."""
     total_lse = torch.logaddexp(lse, block_lse)
     output.mul_(torch.exp(lse - total_lse).unsqueeze(-1))
     output.add_(block_output * torch.exp(block_lse - total_lse).unsqueeze(-1))
@@ -639,7 +628,6 @@ def head_to_sequence_shards(states, group, layout):
 
 
 class AllToAll(torch.autograd.Function):
-    """Piece j (of dimension 0) to rank j, rank j's back as piece j; backward: the same exchange of gradients."""
 
     @staticmethod
     def forward(ctx, pieces, group):
@@ -673,7 +661,7 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        # NOTE: renamed once whole (dropped if another run's came first): never a partial cache.
+        # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -729,7 +717,7 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
 
 
 def find_latest_checkpoint(experiment_dir):
-    # NOTE: a checkpoint folder gets its final name only once complete: any "checkpoint-*" is whole.
+    # NOTE: a folder is named "checkpoint-*" only once complete.
     checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
     return checkpoints[-1] if checkpoints else None
 
@@ -795,7 +783,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only, not every visible device's: it resumes on any machine.
+# NOTE: the current device's CUDA state only: it resumes on any machine.
 # NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -824,8 +812,7 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: 6 per matmul weight, 12 * L * H * Q * T for attention (PaLM's appendix B). The input embedding is a lookup,
-    # not a matmul, unless it is tied to the output head.
+    # NOTE: 6 per matmul weight (the input embedding is a lookup, unless tied), 12 * L * H * Q * T for attention (PaLM).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

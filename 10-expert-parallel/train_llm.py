@@ -220,16 +220,16 @@ def get_parser():
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
     group.add_argument("--max-grad-norm", type=float, default=1.0)
-    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the experiment, resumes included")
+    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps, resumes included")
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
-    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps of this run")
+    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps")
     group = parser.add_argument_group("checkpoints and logging")
     group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
     group.add_argument("--save-dir", default="outputs")
     group.add_argument("--log-freq", type=int, default=10)
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
-                       help="default: online if logged in to wandb, else offline")
+                       help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
     group = parser.add_argument_group("parallelism")
     group.add_argument("--ep", type=int, default=1, help="expert-parallel degree: ranks that split the experts")
@@ -538,7 +538,7 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        # NOTE: renamed once whole (dropped if another run's came first): never a partial cache.
+        # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -594,7 +594,7 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
 
 
 def find_latest_checkpoint(experiment_dir):
-    # NOTE: a checkpoint folder gets its final name only once complete: any "checkpoint-*" is whole.
+    # NOTE: a folder is named "checkpoint-*" only once complete.
     checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
     return checkpoints[-1] if checkpoints else None
 
@@ -660,7 +660,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only, not every visible device's: it resumes on any machine.
+# NOTE: the current device's CUDA state only: it resumes on any machine.
 # NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -689,8 +689,7 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: 6 per matmul weight, 12 * L * H * Q * T for attention (PaLM's appendix B). The input embedding is a lookup,
-    # not a matmul, unless it is tied to the output head.
+    # NOTE: 6 per matmul weight (the input embedding is a lookup, unless tied), 12 * L * H * Q * T for attention (PaLM).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     # NOTE: a token runs top_k of each layer's experts: the other experts' parameters do no work for it.

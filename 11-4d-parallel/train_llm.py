@@ -1,6 +1,5 @@
-"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained. parallelize() cuts
-the model into pipeline stages (chapter 08), splits their layers over --tp ranks (chapter 06) and their sequences over
---cp ranks (chapter 09), and shards each stage with FSDP over the data-parallel ranks left (chapter 04).
+"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained: parallelize() composes
+pipeline stages (chapter 08), tensor (06) and context parallelism (09), and FSDP over the ranks left (04).
 
     torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
     # 64 nodes of 8 GPUs: tp 8 in a node, cp 4 and pp 8 across nodes, dp 2 (what is left), with chapter 03's job script:
@@ -249,16 +248,16 @@ def get_parser():
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
     group.add_argument("--max-grad-norm", type=float, default=1.0)
-    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps of the experiment, resumes included")
+    group.add_argument("--max-steps", type=int, default=200, help="optimizer steps, resumes included")
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
-    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps of this run")
+    group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps")
     group = parser.add_argument_group("checkpoints and logging")
     group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
     group.add_argument("--save-dir", default="outputs")
     group.add_argument("--log-freq", type=int, default=10)
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
-                       help="default: online if logged in to wandb, else offline")
+                       help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
     group = parser.add_argument_group("parallelism")
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
@@ -392,8 +391,7 @@ def rank_zero_first():
 
 
 def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
-    """The four dimensions composed in torchtitan's order (parallelize_llama): the model cut into this rank's pipeline
-    stages, their layers split by tensor parallelism, attention split across cp, then FSDP on each stage."""
+    """The four dimensions in torchtitan's order (parallelize_llama): pp, tp, cp, then FSDP on each stage."""
     stage_modules = split_into_stages(model, mesh["pp"].get_local_rank(), args.pp, stages_per_rank,
                                       token_indices.unsqueeze(0))
     parallelize_model(model, mesh["tp"])
@@ -437,7 +435,6 @@ PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Int
 
 
 def check_pipeline_layout(args, world_size, config):
-    """The stages per rank and the micro-batches per micro-step, or a one-line error if they cannot be made."""
     require(args.pp >= 1 and world_size % args.pp == 0,
             f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}")
     one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
@@ -485,8 +482,7 @@ def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
 
 
 class DecoderStage(torch.nn.Module):
-    # NOTE: the model's own modules: the embeddings (first stage), a run of decoder layers, the norm and output head
-    # (last). Its forward maps the tokens (first stage) or the previous stage's hidden states to the next's.
+    """The model's own modules of one stage: the embeddings (first stage), decoder layers, the norm and head (last)."""
 
     def __init__(self, model, stage_index, num_stages, layer_indices, position_ids):
         super().__init__()
@@ -501,8 +497,7 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden_states):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(hidden_states)
-        # NOTE: each stage computes the rotary embeddings itself, at the positions it is given, and needs no mask:
-        # the attention is causal by itself.
+        # NOTE: the rotary embeddings at the positions the stage is given; no mask: the attention is causal by itself.
         position_ids = self.position_ids
         position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
         for layer in self.layers.values():
@@ -512,7 +507,6 @@ class DecoderStage(torch.nn.Module):
 
 
 def check_context_parallel(args, config):
-    """A split into equal chunks, with attention the chapter's forms compute: plain causal, no window, no dropout."""
     if args.cp == 1:
         return
     chunks = 2 * args.cp if args.cp_load_balance == "on" else args.cp
@@ -526,7 +520,6 @@ def check_context_parallel(args, config):
 
 
 def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
-    """Register the split attention with transformers and no mask function (the layout says what a query sees)."""
     name = f"context_parallel_{cp_attention.replace('-', '_')}"
     form = ring_attention if cp_attention == "ring" else all_to_all_attention
     AttentionInterface.register(name, functools.partial(form, cp_mesh=cp_mesh, load_balance=load_balance))
@@ -609,8 +602,7 @@ def reset_rotary_embeddings(model, device):
 
 
 def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
-    """The positions of the tokens cp rank cp_rank holds: chunk cp_rank of cp_size, or with load balancing chunks
-    cp_rank and 2 x cp_size - 1 - cp_rank of 2 x cp_size (one early, one late: equal work under the causal mask)."""
+    # NOTE: load-balanced, one early chunk and one late: equal work under the causal mask.
     chunks = 2 * cp_size if load_balance else cp_size
     chunk = seq_length // chunks
     owned = [cp_rank, chunks - 1 - cp_rank] if load_balance else [cp_rank]
@@ -618,14 +610,12 @@ def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
 
 
 def ring_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
-    """Ring attention as a transformers attention function, over this rank's tokens."""
     output = RingAttention.apply(query, key, value, scaling, cp_mesh.get_group(), load_balance)
     return output.transpose(1, 2), None
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the key/value blocks of the ring, merged by the online softmax;
-    backward passes the blocks around again, each with its gradient, which every rank adds to on the way."""
+    """This rank's queries over the ring's key/value blocks; backward passes them around again with their gradients."""
 
     @staticmethod
     def forward(ctx, query, key, value, scale, group, load_balance):
@@ -672,7 +662,6 @@ class RingAttention(torch.autograd.Function):
 
 
 def ring_steps(key_value, group, load_balance):
-    """Yield (step, the key/value block this rank holds, visible_block() of it) for the cp steps of a ring."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     for step in range(size):
         if step < size - 1:
@@ -684,7 +673,6 @@ def ring_steps(key_value, group, load_balance):
 
 
 def start_ring_pass(tensor, group, tag):
-    """Send tensor to the next rank, receive the previous rank's; returns at once, with a function that waits for it."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     received = torch.empty_like(tensor)
     requests = dist.batch_isend_irecv([
@@ -700,9 +688,8 @@ def start_ring_pass(tensor, group, tag):
 
 
 def visible_block(rank, source, local_length, load_balance):
-    """Which of this rank's queries see which of the source rank's keys: (query rows, key columns, causal) or None.
-    Unbalanced, an earlier rank's block is all visible and a later one's not at all. Balanced, our queries see an
-    earlier rank's early half, and only our late half sees a later rank's block: half a block either way."""
+    """(query rows, key columns, causal) of the source rank's block that this rank's queries see, or None."""
+    # NOTE: balanced, our queries see an earlier rank's early half, and only our late half sees a later rank's block.
     everything = slice(None)
     if source == rank:
         return everything, everything, True
@@ -715,8 +702,7 @@ def visible_block(rank, source, local_length, load_balance):
 
 
 def attention_block(query, key, value, scale, causal):
-    """softmax(query key^T x scale) value for one block, and each query's log-sum-exp (fp32, natural log, (batch,
-    heads, queries)): one call of SDPA's fused kernel, which keeps the scores in fp32 on chip, a tile at a time."""
+    """softmax(query key^T x scale) value of one block, and each query's log-sum-exp: SDPA's fused kernel."""
     if query.device.type == "cpu":
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
                                                                                  scale=scale)
@@ -733,8 +719,7 @@ def attention_block(query, key, value, scale, causal):
 
 
 def attention_block_backward(grad_output, query, key, value, output, lse, scale, causal):
-    """The gradients of one block's queries, keys and values by the fused kernel's backward, from the final output
-    and log-sum-exp: it computes the softmax's delta, the sum of grad_output x output per query, from them."""
+    """One block's gradients by the fused kernel's backward, from the final output and log-sum-exp."""
     lse = lse.contiguous()
     if query.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -760,8 +745,7 @@ def repeat_key_value_heads(query, key, value):
 
 
 def merge_block(output, lse, block_output, block_lse):
-    """Fold one block's attention into the running output and log-sum-exp, in place: the two averages weighted
-    by their shares of the total, exp(lse_part - lse_total), are the average over all the keys."""
+    """Fold one block's attention into the running output and log-sum-exp, in place (the online softmax)."""
     total_lse = torch.logaddexp(lse, block_lse)
     output.mul_(torch.exp(lse - total_lse).unsqueeze(-1))
     output.add_(block_output * torch.exp(block_lse - total_lse).unsqueeze(-1))
@@ -801,7 +785,6 @@ def head_to_sequence_shards(states, group, layout):
 
 
 class AllToAll(torch.autograd.Function):
-    """Piece j (of dimension 0) to rank j, rank j's back as piece j; backward: the same exchange of gradients."""
 
     @staticmethod
     def forward(ctx, pieces, group):
@@ -835,7 +818,7 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        # NOTE: renamed once whole (dropped if another run's came first): never a partial cache.
+        # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -891,7 +874,7 @@ def warmup_cosine_lr_factor(step, warmup_steps, max_steps, min_factor=0.1):
 
 
 def find_latest_checkpoint(experiment_dir):
-    # NOTE: a checkpoint folder gets its final name only once complete: any "checkpoint-*" is whole.
+    # NOTE: a folder is named "checkpoint-*" only once complete.
     checkpoints = sorted(experiment_dir.glob("checkpoint-*"))
     return checkpoints[-1] if checkpoints else None
 
@@ -962,7 +945,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only, not every visible device's: it resumes on any machine.
+# NOTE: the current device's CUDA state only: it resumes on any machine.
 # NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
@@ -991,8 +974,7 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: 6 per matmul weight, 12 * L * H * Q * T for attention (PaLM's appendix B). The input embedding is a lookup,
-    # not a matmul, unless it is tied to the output head.
+    # NOTE: 6 per matmul weight (the input embedding is a lookup, unless tied), 12 * L * H * Q * T for attention (PaLM).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -1079,8 +1061,6 @@ def log_memory_held(model, optimizer):
 
 
 def get_loss_function(model, config, num_labels, timer):
-    """The last stage's loss of each micro-batch's logits and shifted labels: Hugging Face's sum over the micro-batch
-    divided by num_labels, the labels of the step on every rank; timed as forward."""
     def loss_function(logits, labels):
         with timer("forward"):
             return model.loss_function(logits=logits, labels=labels, shift_labels=labels, vocab_size=config.vocab_size,
@@ -1101,8 +1081,6 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
 
 
 class FSDPPipelineStage(PipelineStage):
-    """A PipelineStage that reduce-scatters its gradients in every backward and times its work in timer."""
-
     def __init__(self, *args, timer, **kwargs):
         super().__init__(*args, **kwargs)
         self.timer = timer

@@ -433,7 +433,7 @@ def test_the_copies_check_names_an_edited_copy_and_a_stale_name():
 EDITS = {
     "code": ("cut_into_chunks", "range(0, len(stream) - seq_length + 1, seq_length)",
              "range(0, len(stream) - seq_length, seq_length)"),
-    "comment": ("find_latest_checkpoint", "# NOTE: a checkpoint folder gets its final name only once complete",
+    "comment": ("find_latest_checkpoint", "# NOTE: a folder is named \"checkpoint-*\" only once complete",
                 "# NOTE: a checkpoint folder is renamed when complete"),
     "decorator": ("init_weights", "@torch.no_grad()\ndef init_weights", "def init_weights"),
     "constant": ("PEAK_BF16_FLOPS", '"H200": 989e12', '"H200": 990e12'),
