@@ -416,7 +416,7 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
     layers = model.model.layers
     for index, layer in enumerate(layers):
         # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
-        # its backward comes right after. The root group stays gathered for the same reason.
+        # its backward comes right after. The output group below stays gathered for the same reason.
         fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     # NOTE: at 405B the embedding and the head are 2.1B parameters each: the embedding is freed after its forward, the
     # norm and head (last in forward, first in backward) stay gathered; a head tied to the embedding shares its group.

@@ -95,7 +95,7 @@ def main():
     position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0)
     stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank, position_ids)
     for stage_module in stage_modules:
-        # NOTE: with pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
+        # NOTE: with pp > 1 a layer runs several micro-batches' forwards (all, under GPipe) before their backwards.
         shard_model(stage_module, dp_mesh, dtype, args.cpu_offload, reshard_after_forward=args.pp == 1)
         stage_module.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)

@@ -84,7 +84,7 @@ def main():
     # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
-    # NOTE: a sub-mesh is looked up once: mesh["pp"] reads the rank map on the host, a sync in every step.
+    # NOTE: sub-meshes are looked up outside the loop: mesh["pp"] reads the rank map on the host, a sync per step.
     dp_mesh, pp_mesh, cp_mesh = mesh["dp"], mesh["pp"], mesh["cp"]
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     check_context_parallel(args, config)
@@ -400,7 +400,7 @@ def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
             args.cp_attention, mesh["cp"], args.cp_load_balance == "on"))
     # NOTE: chapter 05's activation checkpointing, then torch.compile, would wrap each layer here, before FSDP.
     for stage_module in stage_modules:
-        # NOTE: with pp > 1 a layer runs all its micro-batches' forwards before their backwards: it stays gathered.
+        # NOTE: with pp > 1 a layer runs several micro-batches' forwards (all, under GPipe) before their backwards.
         shard_model(stage_module, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.cpu_offload,
                     reshard_after_forward=args.pp == 1)
     return stage_modules

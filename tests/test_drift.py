@@ -216,6 +216,8 @@ REWORDED = {
     ("04", "05"): {
         "# 1. The model: built empty, sharded, then filled with its pretrained weights (or from the seed if it has "
         "none).": "the section now loads pretrained weights",
+        "# its backward comes right after. The output group below stays gathered for the same reason.":
+            "at 405B the norm and head are a group of their own that stays gathered; the root holds nothing",
     },
     ("04", "06"): {
         "# NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too.":
