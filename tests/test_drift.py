@@ -239,8 +239,8 @@ REWORDED = {
         "CPU).": "chapter 07 brings back chapter 04's --cpu-offload",
     },
     ("07", "11"): {
-        "# 1. The model: built from its config (untrained), parallelized in four dimensions, initialized from the seed.":
-            "parallelize() composes the four dimensions where chapter 07 composed two",
+        "# 1. The model: built from its config (untrained), parallelized in four dimensions, initialized from the "
+        "seed.": "parallelize() composes the four dimensions where chapter 07 composed two",
         "# 6. The training loop, one pipeline schedule per micro-step.": "chapter 08's loop, the pipeline's schedule",
         "# NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.":
             "chapter 08's loss of the last stage, which the tp ranks of a share hold alike",

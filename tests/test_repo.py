@@ -161,8 +161,8 @@ def test_every_mutation_still_applies_to_its_chapter_and_names_a_test_that_exist
     for name, (path, old, new, test) in check_mutations.MUTATIONS.items():
         assert (REPO / path).read_text().count(old) == 1, f"{name}: its text is not once in {path}"
         test_file, test_name = test.split("::")
-        assert re.search(rf"^def {re.escape(test_name.split('[')[0])}\(", (REPO / test_file).read_text(), re.MULTILINE), \
-            f"{name}: no {test}"
+        definition = rf"^def {re.escape(test_name.split('[')[0])}\("
+        assert re.search(definition, (REPO / test_file).read_text(), re.MULTILINE), f"{name}: no {test}"
 
 
 @pytest.mark.parametrize("tool", TOOLS_WITH_HELP)
@@ -235,8 +235,8 @@ def test_every_chapter_readme_opens_with_its_contents_and_keeps_the_lesson_short
         f"'## ' section in order: {contents} against {[heading_anchor(heading) for heading in headings]}"
     lesson = text[:text.index(f"\n{NOTES}\n")]
     words = len(lesson.split())
-    assert words <= MAX_LESSON_WORDS, f"{words} words before {NOTES!r}: the lesson is at most {MAX_LESSON_WORDS}; " \
-                                      f"move tables, tolerances and library internals to {NOTES!r}"
+    assert words <= MAX_LESSON_WORDS, f"{words} words before {NOTES!r}: the lesson is at most " \
+        f"{MAX_LESSON_WORDS}; move tables, tolerances and library internals to {NOTES!r}"
 
 
 @pytest.mark.quick
