@@ -216,7 +216,7 @@ def main():
 
 def get_parser():
     parser = argparse.ArgumentParser(
-        description="Train a Llama-style language model on one GPU, or on the CPU.",
+        description="Train a Llama-style language model.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     group = parser.add_argument_group("model and data")
     group.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
