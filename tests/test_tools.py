@@ -89,7 +89,7 @@ def test_make_figures_fast_writes_every_figure_the_readmes_show(env, tmp_path):
     # Every picture a README shows: the shared ones in docs/figures/ and the ones next to their chapter.
     shown = {}
     for readme in REPO.rglob("*.md"):
-        if ".git" in readme.parts:
+        if any(part.startswith(".") for part in readme.relative_to(REPO).parts):
             continue
         for link in re.findall(r"!\[[^\]]*\]\(([^)\s]+\.png)\)", readme.read_text()):
             shown[Path(link).name] = (readme.parent / link).resolve()
