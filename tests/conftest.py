@@ -25,7 +25,7 @@ SELECTED_FIXTURES = pytest.StashKey[set]()
 # The whole suite's budget on the 2-core CI machine: a run of every test that takes longer fails (pytest_sessionfinish).
 # NOTE: the target is 15 minutes, not yet reached (tests/README.md's table): the budget sits above today's total, so
 # growth fails CI; lower it with every speed-up.
-SUITE_BUDGET_S = 55 * 60
+SUITE_BUDGET_S = 50 * 60
 TIMES_FILE = Path(__file__).resolve().parent / "times.json"
 # What this session ran and how long each test took (the hooks below).
 TIMES = {"started": time.monotonic(), "deselected": 0, "selected": -1, "tests": {}}
