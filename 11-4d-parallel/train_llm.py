@@ -90,9 +90,6 @@ def main():
     check_context_parallel(args, config)
     # NOTE: tp splits the tokens of this rank's share of each sequence, and the heads attention gets.
     check_tensor_parallel_degree(tp_degree, config, args.seq_length // args.cp)
-    require(args.cp_attention != "all-to-all" or config.num_key_value_heads % (tp_degree * args.cp) == 0,
-            f"{config.num_key_value_heads} key/value heads do not divide into --tp {tp_degree} x --cp {args.cp}; use "
-            "--cp-attention ring")
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
     # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
     # to_empty() allocates only this rank's shards, and init_weights() fills them.
@@ -269,8 +266,6 @@ def get_parser():
     group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
     group.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved)")
     group.add_argument("--cp", type=int, default=1, help="context-parallel degree: ranks per sequence")
-    group.add_argument("--cp-attention", choices=["ring", "all-to-all"], default="ring",
-                       help="ring: key/value blocks passed around; all-to-all: sequence to head shards and back")
     group.add_argument("--cp-load-balance", choices=["on", "off"], default="on",
                        help="an early and a late chunk per cp rank (equal causal work); off: one chunk each")
     return parser
@@ -396,8 +391,7 @@ def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
                                       token_indices.unsqueeze(0))
     parallelize_model(model, mesh["tp"])
     if args.cp > 1:
-        model.set_attn_implementation(register_context_parallel_attention(
-            args.cp_attention, mesh["cp"], args.cp_load_balance == "on"))
+        model.set_attn_implementation(register_context_parallel_attention(mesh["cp"], args.cp_load_balance == "on"))
     # NOTE: chapter 05's activation checkpointing, then torch.compile, would wrap each layer here, before FSDP.
     for stage_module in stage_modules:
         # NOTE: with pp > 1 a layer runs several micro-batches' forwards (all, under GPipe) before their backwards.
@@ -512,18 +506,15 @@ def check_context_parallel(args, config):
     chunks = 2 * args.cp if args.cp_load_balance == "on" else args.cp
     require(args.seq_length % chunks == 0, f"--seq-length {args.seq_length} does not split into {chunks} equal chunks "
             f"(--cp {args.cp}, load balancing {args.cp_load_balance}); use a multiple of {chunks}")
-    require(args.cp_attention != "all-to-all" or config.num_key_value_heads % args.cp == 0,
-            f"{config.num_key_value_heads} key/value heads do not divide into --cp {args.cp}; use --cp-attention ring")
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window, f"the model has sliding-window attention ({window}); use a model with full causal attention")
     require(not getattr(config, "attention_dropout", 0.0), "the model has attention dropout; set it to 0 in its config")
 
 
-def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
-    name = f"context_parallel_{cp_attention.replace('-', '_')}"
-    form = ring_attention if cp_attention == "ring" else all_to_all_attention
-    AttentionInterface.register(name, functools.partial(form, cp_mesh=cp_mesh, load_balance=load_balance))
-    return name
+def register_context_parallel_attention(cp_mesh, load_balance):
+    AttentionInterface.register("context_parallel_ring",
+                                functools.partial(ring_attention, cp_mesh=cp_mesh, load_balance=load_balance))
+    return "context_parallel_ring"
 
 
 def parallelize_model(model, tp_mesh):
@@ -750,55 +741,6 @@ def merge_block(output, lse, block_output, block_lse):
     output.mul_(torch.exp(lse - total_lse).unsqueeze(-1))
     output.add_(block_output * torch.exp(block_lse - total_lse).unsqueeze(-1))
     lse.copy_(total_lse)
-
-
-def all_to_all_attention(module, query, key, value, attention_mask, scaling, cp_mesh, load_balance, **kwargs):
-    """All-to-all (DeepSpeed-Ulysses) attention: whole sequences of heads / cp heads through SDPA, and back."""
-    group = cp_mesh.get_group()
-    size = dist.get_world_size(group)
-    # NOTE: the gathered tokens come in the ranks' order, not the sequence's (load balancing): layout maps them.
-    layout = torch.cat([get_token_indices(query.shape[2] * size, rank, size, load_balance, query.device)
-                        for rank in range(size)])
-    query, key, value = (sequence_to_head_shards(states, group, layout) for states in (query, key, value))
-    output = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                              enable_gqa=True)
-    return head_to_sequence_shards(output, group, layout).transpose(1, 2), None
-
-
-def sequence_to_head_shards(states, group, layout):
-    """(batch, heads, this rank's tokens, head_dim) -> (batch, heads / cp, all tokens in order, head_dim)."""
-    size = dist.get_world_size(group)
-    batch, heads, tokens, head_dim = states.shape
-    pieces = states.reshape(batch, size, heads // size, tokens, head_dim).transpose(0, 1).contiguous()
-    received = AllToAll.apply(pieces, group)
-    gathered = received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * tokens, head_dim)
-    return gathered.index_select(2, layout.argsort())
-
-
-def head_to_sequence_shards(states, group, layout):
-    """(batch, heads / cp, all tokens in order, head_dim) -> (batch, heads, this rank's tokens, head_dim)."""
-    size = dist.get_world_size(group)
-    batch, heads_here, seq_length, head_dim = states.shape
-    pieces = states.index_select(2, layout).reshape(batch, heads_here, size, seq_length // size, head_dim)
-    received = AllToAll.apply(pieces.permute(2, 0, 1, 3, 4).contiguous(), group)
-    return received.transpose(0, 1).reshape(batch, heads_here * size, seq_length // size, head_dim)
-
-
-class AllToAll(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, pieces, group):
-        ctx.group = group
-        received = torch.empty_like(pieces)
-        dist.all_to_all_single(received, pieces, group=group)
-        return received
-
-    @staticmethod
-    def backward(ctx, grad_received):
-        grad_received = grad_received.contiguous()
-        grad_pieces = torch.empty_like(grad_received)
-        dist.all_to_all_single(grad_pieces, grad_received, group=ctx.group)
-        return grad_pieces, None
 
 
 # 2. The data

@@ -31,8 +31,7 @@ LAYOUTS = {
     "pp2-cp2-tp2": (["--tp", "2", "--pp", "2", "--cp", "2"], {"dp": 1, "pp": 2, "cp": 2, "tp": 2}),
     "tp2-pp2": (["--tp", "2", "--pp", "2"], {"dp": 1, "pp": 2, "cp": 1, "tp": 2}),
     "pp2-cp2": (["--pp", "2", "--cp", "2"], {"dp": 1, "pp": 2, "cp": 2, "tp": 1}),
-    "pp2-cp2-all-to-all-unclipped": (["--pp", "2", "--cp", "2", "--cp-attention", "all-to-all", *NO_CLIPPING],
-                                     {"dp": 1, "pp": 2, "cp": 2, "tp": 1}),
+    "pp2-cp2-unclipped": (["--pp", "2", "--cp", "2", *NO_CLIPPING], {"dp": 1, "pp": 2, "cp": 2, "tp": 1}),
 }
 
 

@@ -169,7 +169,7 @@ LINEAGE = {
                 "each rank's share of the global mean, the gradient norm over all stages, the pipeline's idle time",
         "parallelize": "the composition, in torchtitan's order: the pipeline split (chapter 08), tensor parallelism, "
                        "the attention across the split (chapter 09), FSDP over dp and cp on each stage",
-        "get_parser": "chapter 08's --pp options and chapter 09's --cp options (their definitions), without "
+        "get_parser": "chapter 08's --pp options and chapter 09's --cp and --cp-load-balance (their definitions), without "
                       "--dp-replicate: hybrid sharding is left out of the 4D mesh",
         "get_device_mesh": "the 4D mesh, tp innermost, dp outermost (Llama 3's order)",
         "parallelize_model": "after the pipeline split: a rank's layers are a dict, and only the plan's keys of the "
@@ -181,8 +181,8 @@ LINEAGE = {
         "check_pipeline_layout": "chapter 08's, unchanged (COPIES)",
         "split_into_stages": "chapter 08's, unchanged (COPIES)",
         "DecoderStage": "chapter 08's, unchanged (COPIES)",
-        "check_context_parallel": "chapter 09's, unchanged (COPIES)",
-        "register_context_parallel_attention": "chapter 09's, unchanged (COPIES)",
+        "check_context_parallel": "chapter 09's checks of the ring (11 leaves chapter 09's all-to-all attention out)",
+        "register_context_parallel_attention": "chapter 09's, the ring only",
         "# 1b. Attention across the split": "chapter 09's section of the split attention",
         "get_token_indices": "chapter 09's, unchanged (COPIES)",
         "ring_attention": "chapter 09's, unchanged (COPIES)",
@@ -194,10 +194,6 @@ LINEAGE = {
         "attention_block_backward": "chapter 09's, unchanged (COPIES)",
         "repeat_key_value_heads": "chapter 09's, unchanged (COPIES)",
         "merge_block": "chapter 09's, unchanged (COPIES)",
-        "all_to_all_attention": "chapter 09's, unchanged (COPIES)",
-        "sequence_to_head_shards": "chapter 09's, unchanged (COPIES)",
-        "head_to_sequence_shards": "chapter 09's, unchanged (COPIES)",
-        "AllToAll": "chapter 09's, unchanged (COPIES)",
         "# 6. The training loop: the pipeline": "chapter 08's section of the pipeline's helpers",
         "get_loss_function": "chapter 08's loss on the last stage, from labels shifted before the cp split, as "
                              "a share of the step's mean over every rank's labels (chapter 09's form)",
@@ -255,11 +251,9 @@ COPIES = {
     ("08", "11"): ["PIPELINE_SCHEDULES", "check_pipeline_layout", "split_into_stages", "DecoderStage",
                    "# 6. The training loop: the pipeline", "build_pipeline_schedule", "FSDPPipelineStage",
                    "clip_grad_norm_across_stages", "save_checkpoint"],
-    ("09", "11"): ["check_context_parallel", "register_context_parallel_attention", "# 1b. Attention across the split",
-                   "get_token_indices", "ring_attention", "RingAttention", "ring_steps", "start_ring_pass",
-                   "visible_block", "attention_block", "attention_block_backward", "repeat_key_value_heads",
-                   "merge_block", "all_to_all_attention", "sequence_to_head_shards", "head_to_sequence_shards",
-                   "AllToAll"],
+    ("09", "11"): ["# 1b. Attention across the split", "get_token_indices", "ring_attention", "RingAttention",
+                   "ring_steps", "start_ring_pass", "visible_block", "attention_block", "attention_block_backward",
+                   "repeat_key_value_heads", "merge_block"],
 }
 
 
