@@ -88,7 +88,8 @@ def main():
     # to_empty() allocates only this rank's shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention_implementation(args.attn_implementation), dtype=torch.float32)
+            config, attn_implementation=attention_implementation(config, args.seq_length, args.attn_implementation),
+            dtype=torch.float32)
     # NOTE: compile wraps the checkpoint, fully_shard both: no collective is compiled or recomputed.
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -376,10 +377,14 @@ def download_model(model_name):
                                              ignore_patterns=SKIPPED_MODEL_FILES)
 
 
-def attention_implementation(attn_implementation):
-    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True.
+def attention_implementation(config, seq_length, attn_implementation):
+    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True,
+    # blind to a sliding window: the same attention only while no sequence is longer than the window.
     if attn_implementation != "sdpa":
         return attn_implementation
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
+            f"{window}; use at most {window}")
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 

@@ -77,7 +77,7 @@ def main():
     # to_empty() allocates only this rank's shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, attn_implementation=attention_implementation(), dtype=torch.float32)
+            config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
     parallelize_model(model, tp_mesh)
     model.to_empty(device=device)
     init_weights(model, args.seed)
@@ -337,8 +337,12 @@ def rank_zero_first():
 # 1. The model
 
 
-def attention_implementation():
-    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True.
+def attention_implementation(config, seq_length):
+    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True,
+    # blind to a sliding window: the same attention only while no sequence is longer than the window.
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
+            f"{window}; use at most {window}")
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 

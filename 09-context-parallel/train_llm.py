@@ -80,7 +80,7 @@ def main():
     cp_mesh, dp_mesh, load_balance = mesh["cp"], mesh["dp"], args.cp_load_balance == "on"
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
     # NOTE: the attention modules call the function registered under this name: the model's code is untouched.
-    attn_implementation = attention_implementation() if args.cp == 1 else \
+    attn_implementation = attention_implementation(config, args.seq_length) if args.cp == 1 else \
         register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
     # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
     # to_empty() allocates only this rank's shards, and init_weights() fills them.
@@ -354,8 +354,12 @@ def rank_zero_first():
 # 1. The model
 
 
-def attention_implementation():
-    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True.
+def attention_implementation(config, seq_length):
+    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True,
+    # blind to a sliding window: the same attention only while no sequence is longer than the window.
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
+            f"{window}; use at most {window}")
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 

@@ -82,9 +82,9 @@ def main():
     # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
     # to_empty() allocates only this rank's shards, and init_weights() fills them.
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(),
-                                                 experts_implementation=experts_implementation(mesh["ep"]),
-                                                 dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention_implementation(config, args.seq_length),
+            experts_implementation=experts_implementation(mesh["ep"]), dtype=torch.float32)
     shard_model(model, mesh, dtype, args.cpu_offload)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     init_weights(model, args.seed)
@@ -353,8 +353,12 @@ def rank_zero_first():
 # 1. The model
 
 
-def attention_implementation():
-    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True.
+def attention_implementation(config, seq_length):
+    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True,
+    # blind to a sliding window: the same attention only while no sequence is longer than the window.
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
+            f"{window}; use at most {window}")
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 

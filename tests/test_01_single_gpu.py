@@ -159,6 +159,16 @@ def make_incompatible_model(tmp_path):
     return model_dir
 
 
+def make_sliding_window_model(tmp_path, window):
+    """The tiny model as a Mistral (the same weights' names), whose attention slides over `window` tokens."""
+    model_dir = tmp_path / f"mistral-window-{window}"
+    shutil.copytree(TINY_MODEL, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=window)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
 def make_tiny_dataset(tmp_path):
     path = tmp_path / "tiny.jsonl"
     # About 150 tokens: two sequences of 64, where one optimizer step of FAST_ARGS needs four.
@@ -172,6 +182,8 @@ BAD_INPUTS = {
     "sequence too long": (lambda tmp: ["--seq-length", "4096"], "exceeds the model's 1024 positions"),
     "dataset too small": (lambda tmp: ["-d", str(make_tiny_dataset(tmp))], "are fewer than one step's 4"),
     "zero batch size": (lambda tmp: ["--batch-size", "0"], "--batch-size must be at least 1"),
+    "sliding window shorter than the sequence": (lambda tmp: ["-m", str(make_sliding_window_model(tmp, 32))],
+                                                 "--seq-length 64 exceeds the model's sliding window 32"),
     "missing text column": (lambda tmp: ["--text-column", "content"], "no text column 'content'"),
     "empty file": (lambda tmp: ["-d", str(write(tmp / "empty.jsonl", ""))], "(it holds no data)"),
     "folder without data files": (lambda tmp: ["-d", str(write(tmp / "notes" / "notes.md", "# notes").parent)],
@@ -196,6 +208,13 @@ def test_bad_input_gets_a_one_line_error(env, tmp_path, case):
     assert result.returncode == 1
     assert error_line(result).startswith("error: ") and expected in error_line(result), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_sliding_window_model_trains_while_its_window_covers_every_sequence(env, tmp_path):
+    # NOTE: the refusal above is no wider than the problem: a window as long as the sequence is full causal attention.
+    result, experiment = train("01", env, tmp_path, "--max-steps", "2", "-m", make_sliding_window_model(tmp_path, 64))
+    assert "MistralForCausalLM" in (experiment / "checkpoint-00000002" / "model_config.json").read_text()
+    assert len(read_losses(experiment)) == 2
 
 
 def test_a_checkpoint_of_another_model_gets_a_one_line_error(env, tmp_path):

@@ -19,13 +19,30 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CHAPTERS, REPO, cold_start, read_metrics, run, script, train
+from helpers import CHAPTERS, REPO, cold_start, load_script, read_metrics, run, script, train
 
 EXISTING_CHAPTERS = [chapter for chapter in CHAPTERS if script(chapter).exists()]
 READMES = sorted(REPO.glob("*.md")) + sorted(REPO.glob("*/README.md"))
 REPO_PATH = re.compile(r"(?<![\w/.-])((?:\d\d-[a-z0-9-]+|diagnosing-errors|tools|dev|data|tests|\.ci)/[\w./-]*[\w])")
 # A script that is run, not named as a value (TRAIN_SCRIPT=07-2d-parallel/train_llm.py sbatch ...).
 SCRIPT_CALL = re.compile(r"(?<![=\w/.-])(\d\d-[a-z0-9-]+)/train_llm\.py((?:\s+[^|;&#]+)?)")
+
+
+@pytest.mark.quick
+def test_every_chapter_refuses_a_sliding_window_shorter_than_its_sequences():
+    """Every chapter's causal attention (is_causal=True, no mask) is blind to a sliding window (Mistral v0.1, Qwen2
+    with use_sliding_window): each refuses a sequence longer than the window, and only that."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    for chapter in EXISTING_CHAPTERS:
+        attention_implementation = load_script(chapter).attention_implementation
+        extra = ["sdpa"] if chapter == "05" else []
+        for config in [MistralConfig(sliding_window=32), Qwen2Config(use_sliding_window=True, sliding_window=32)]:
+            with pytest.raises(SystemExit, match=r"^error: --seq-length 64 exceeds the model's sliding window 32; "):
+                attention_implementation(config, 64, *extra)
+            assert attention_implementation(config, 32, *extra) == "causal_sdpa", chapter
+        for config in [MistralConfig(sliding_window=None), Qwen2Config(use_sliding_window=False), LlamaConfig()]:
+            assert attention_implementation(config, 4096, *extra) == "causal_sdpa", (chapter, type(config).__name__)
 
 
 @pytest.mark.parametrize("chapter", EXISTING_CHAPTERS)
