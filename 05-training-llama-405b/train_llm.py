@@ -126,9 +126,11 @@ def main():
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
     # 4. Resume from the experiment's latest checkpoint, if it has one.
+    # NOTE: saves and loads wait on a gloo group of their own: writing terabytes may outlast --dist-timeout.
+    checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
     if checkpoint_dir is not None:
-        train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config)
+        train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, checkpoint_group)
         LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
 
     # 5. Experiment tracking: wandb and metrics.jsonl, on rank 0.
@@ -193,7 +195,7 @@ def main():
             if rank == 0:
                 log_metrics(metrics_file, record)
         if step % args.ckpt_freq == 0 or step == last_step:
-            save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank)
+            save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank, checkpoint_group)
 
     progress_bar.close()
     if rank == 0:
@@ -240,6 +242,7 @@ def get_parser():
     group.add_argument("--save-dir", default="outputs")
     group.add_argument("--log-freq", type=int, default=10)
     group.add_argument("--ckpt-freq", type=int, default=100)
+    group.add_argument("--ckpt-timeout", type=int, default=3600, help="seconds a checkpoint may take to save or load")
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                        help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
@@ -253,7 +256,7 @@ def get_parser():
 def parse_args():
     args = get_parser().parse_args()
     for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
-                 "ckpt_freq", "dist_timeout"]:
+                 "ckpt_freq", "dist_timeout", "ckpt_timeout"]:
         value = getattr(args, name)
         require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
     require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
@@ -578,19 +581,19 @@ def find_latest_checkpoint_on_rank_zero(experiment_dir):
     return choice[0]
 
 
-def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank):
+def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank, group):
     """Every rank writes its own shards with torch.distributed.checkpoint (DCP); rank 0 adds the small files."""
     started = time.perf_counter()
     temporary_dir = experiment_dir / f"tmp-checkpoint-{train_state['step']:08d}"
     if rank == 0:
         shutil.rmtree(temporary_dir, ignore_errors=True)
-    dist.barrier()
+    dist.barrier(group=group)
     # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir, process_group=group)
     if rank == 0:
         write_checkpoint(experiment_dir, lr_scheduler, train_state, config)
-    dist.barrier()
+    dist.barrier(group=group)
     LOGGER.info(f"checkpoint of step {train_state['step']} took {time.perf_counter() - started:.2f}s")
 
 
@@ -612,14 +615,14 @@ def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
     LOGGER.info(f"saved {final_dir}")
 
 
-def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config):
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, group):
     saved = json.loads((checkpoint_dir / "model_config.json").read_text())
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
     require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
     # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir)
+    dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
     # NOTE: weights_only: a checkpoint cannot run code. The RNG states must be CPU tensors, whoever wrote them.
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)

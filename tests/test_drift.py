@@ -57,11 +57,14 @@ LINEAGE = {
     ("03", "04"): {
         "main": "FSDP: the model built on the meta device and sharded over a 1-D device mesh of all ranks, the "
                 "optimizer over the shards, no autocast and no no_sync(), no DDP and no ZeRO-1",
-        "get_parser": "the --cpu-offload option, without --zero1",
+        "get_parser": "the --cpu-offload option, without --zero1, and --ckpt-timeout, the checkpoints' own timeout",
+        "parse_args": "--ckpt-timeout must be at least 1 second too",
         "init_weights": "each rank fills only its shard (a DTensor) of the full seeded value",
-        "save_checkpoint": "every rank writes its own shards with torch.distributed.checkpoint",
+        "save_checkpoint": "every rank writes its own shards with torch.distributed.checkpoint, waiting on the "
+                           "checkpoints' gloo group (terabytes take longer than --dist-timeout)",
         "write_checkpoint": "only the small files are left to rank 0",
-        "load_checkpoint": "each rank reads its own shards, resharding to the current world size",
+        "load_checkpoint": "each rank reads its own shards, resharding to the current world size, on the "
+                           "checkpoints' gloo group",
         "shard_model": "FSDP: each layer, and the rest of the model, sharded as one group over the mesh",
         "reset_rotary_embeddings": "a model built on the meta device recomputes its rotary buffers",
         "log_memory_held": "each rank shows it holds 1/N of parameters, gradients and optimizer state",
