@@ -382,6 +382,11 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
             shard_experts(layer.mlp.experts, mesh, fsdp_config, reshard_after_forward and index < len(layers) - 1)
         fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
+    # NOTE: a MoE layer's forward waits on the host for its split sizes: each layer's all-gather is issued by the layer
+    # before, ahead of that wait, not after it (implicit prefetching would issue it when the CPU gets there).
+    for layer, next_layer in zip(layers, layers[1:]):
+        experts = [next_layer.mlp.experts] if hasattr(next_layer.mlp, "experts") else []
+        layer.set_modules_to_forward_prefetch([next_layer, *experts])
 
 
 def shard_experts(experts, mesh, fsdp_config, reshard_after_forward):

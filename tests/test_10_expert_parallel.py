@@ -140,7 +140,7 @@ def interrupted_run(runs, env):
     """ep 2, stopped after step 3 with its checkpoint; tools/measure_step.py counts what it sends."""
     nproc, flags = LAYOUTS["ep2"]
     return runs.train("10", env, *COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // nproc), "--exit-after-steps",
-                      str(HALF), nproc=nproc, launcher=[*torchrun(nproc), MEASURE, "--out", measured_dir(runs)])
+                      str(HALF), nproc=nproc, launcher=[*torchrun(nproc), MEASURE, "--out", measured_dir(runs), "--log-calls"])
 
 
 def measured_dir(runs):
@@ -225,6 +225,22 @@ def test_the_all_to_all_bytes_equal_the_theory(env, runs):
         assert counted[0]["calls"] == config.num_hidden_layers * 5
         # What leaves a rank follows the routing: (ep - 1) / ep of it when even, within the tiny model's imbalance.
         assert abs(sent_bytes / theory - 1) <= 0.15
+
+
+def test_each_layer_all_gathers_the_next_before_it_waits_for_its_split_sizes(env, runs):
+    # The forward's collectives and host syncs of step 2, in order, as tools/measure_step.py --log-calls saw them.
+    # Each MoE layer reads its split sizes on the host (a sync); the next layer's all-gather must already be issued,
+    # or the GPU would gather that layer only after the sync (implicit prefetching issues it when the CPU gets there).
+    interrupted_run(runs, env)
+    layers = AutoConfig.from_pretrained(MOE_MODEL).num_hidden_layers
+    calls = json.loads((measured_dir(runs) / "rank-0.json").read_text())["steps"][1]["calls"]
+    events = "".join("G" if key.startswith("all_gather") else "S" if key.startswith("host sync") else "."
+                     for _, key, _ in calls)
+    gathers_before_sync = [events[:at].count("G") for at, event in enumerate(events) if event == "S"]
+    print(f"\nstep 2 on rank 0 (G all-gather, S host sync): {events}")
+    assert len(gathers_before_sync) == layers
+    # The root group's all-gather, then layers 0 to k + 1 before the sync of layer k.
+    assert all(gathers_before_sync[k] >= k + 3 for k in range(layers - 1)), gathers_before_sync
 
 
 # What each mistake says: the mesh's checks, called in this process on a world of the given size.

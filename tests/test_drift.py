@@ -155,7 +155,8 @@ LINEAGE = {
         "get_parser": "the --ep option, and the tiny mixture-of-experts model as the default",
         "parse_args": "--ep must be at least 1 too",
         "shard_model": "each MoE layer's experts split over ep and FSDP-sharded over edp, in a group of their own; "
-                       "the rest sharded over the (edp, ep) mesh flattened",
+                       "the rest sharded over the (edp, ep) mesh flattened; each layer prefetches the next's "
+                       "all-gathers ahead of its host sync",
         "shard_experts": "the experts' sharding and gradient reduction",
         "# 1b. Expert parallelism": "the section of expert parallelism",
         "get_device_mesh": "the (edp, ep) mesh, and a degree that cannot split the experts gets a one-line error",

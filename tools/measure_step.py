@@ -93,7 +93,8 @@ def main():
     )
     parser.add_argument("--out", help="folder for one rank-<rank>.json per rank")
     parser.add_argument("--log-calls", action="store_true",
-                        help="also record every collective of every step, in order (operator, group, buffer bytes)")
+                        help="also record every collective and host sync of every step, in order (operator, group or "
+                             "place, buffer bytes)")
     parser.add_argument("--summary", metavar="DIR", help="print a table of the measurements in DIR and exit")
     parser.add_argument("script", nargs="?", help="the training script, e.g. 02-distributed-data-parallel/train_llm.py")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
@@ -239,6 +240,8 @@ class StepMeter:
 
     def on_host_sync(self, op_name):
         key = f"{op_name} at {python_location()}"
+        if self.log_calls and self.current is not None:
+            self.current.setdefault("calls", []).append([op_name, f"host sync at {python_location()}", 0])
         counts = self.current["host_syncs"] if self.current is not None else self.host_syncs_between_steps
         counts[key] += 1
 
