@@ -153,7 +153,8 @@ def main():
     timer = StepTimer(device)
     loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1), timer)
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
-        stage_modules, args.pp_schedule, num_microbatches, loss_fn, timer, pp_mesh, device)
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, timer, pp_mesh, device,
+        args.pp_grad_reduce == "microbatch")
     micro_batches = get_micro_batches(dataset, args, train_state, device, dp_rank, dp_size)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -268,6 +269,9 @@ def get_parser():
     group.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b")
     group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
     group.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved)")
+    group.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
+                       help="reduce-scatter gradients in every micro-batch's backward, or once a step: a stage's "
+                            "whole fp32 gradients held until then, for 1/micro-batches of the traffic")
     group.add_argument("--cp", type=int, default=1, help="context-parallel degree: ranks per sequence")
     group.add_argument("--cp-load-balance", choices=["on", "off"], default="on",
                        help="an early and a late chunk per cp rank (equal causal work); off: one chunk each")
@@ -1017,10 +1021,12 @@ def get_loss_function(model, config, num_labels, timer):
     return loss_function
 
 
-def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, timer, pp_mesh, device):
+def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, timer, pp_mesh, device,
+                            reduce_every_microbatch):
     """The schedule of this rank's stages, and whether it runs the first stage (the tokens) and the last (the loss)."""
     num_stages = pp_mesh.size() * len(stage_modules)
-    stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, group=pp_mesh.get_group(), timer=timer)
+    stage_options = dict(group=pp_mesh.get_group(), timer=timer, reduce_every_microbatch=reduce_every_microbatch)
+    stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, **stage_options)
               for module in stage_modules]
     schedule_class = get_schedule_class(PIPELINE_SCHEDULES[schedule_name])
     one_stage_per_rank = issubclass(schedule_class, PipelineScheduleSingle)
@@ -1030,9 +1036,9 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
 
 
 class FSDPPipelineStage(PipelineStage):
-    def __init__(self, *args, timer, **kwargs):
+    def __init__(self, *args, timer, reduce_every_microbatch, **kwargs):
         super().__init__(*args, **kwargs)
-        self.timer = timer
+        self.timer, self.reduce_every_microbatch = timer, reduce_every_microbatch
 
     def forward_one_chunk(self, *args, **kwargs):
         with self.timer("forward"):
@@ -1045,6 +1051,8 @@ class FSDPPipelineStage(PipelineStage):
     # NOTE: a workaround for torch 2.11 to 2.15 (tested), whose PipelineStage defers FSDP's reduce-scatter to the step's
     # end (pytorch #165106): whole fp32 gradients until then. Here each layer's are reduce-scattered in its backward.
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
+        if not self.reduce_every_microbatch:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         self.submod.set_is_last_backward(False)
         self.submod.set_reshard_after_backward(self.group_size == 1)
         return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None

@@ -43,6 +43,9 @@ LAYOUTS = {
     "pp2-interleaved-1f1b": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "2",
                                  "--batch-size", "2", "--grad-accum", "2"]),
     "pp2-dp2-1f1b": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2", "--batch-size", "2"]),
+    # PipelineStage's own reduction: each FSDP group reduce-scattered once a step, after the last micro-batch.
+    "pp2-dp2-1f1b-reduce-per-step": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2",
+                                         "--batch-size", "2", "--pp-grad-reduce", "step"]),
 }
 
 
@@ -238,25 +241,28 @@ def test_tokens_per_second_counts_each_token_once(env, runs, case):
     assert 0.5 < max(fractions) <= 1.0 + 1e-9
 
 
-@pytest.mark.parametrize("pp", ["1", "2"])
+@pytest.mark.parametrize("pp, grad_reduce", [("1", "microbatch"), ("2", "microbatch"), ("2", "step")])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_full_size_gradients_are_reduce_scattered_in_every_backward_as_estimated(env, tmp_path, pp, dtype):
+def test_full_size_gradients_are_reduce_scattered_in_every_backward_as_estimated(env, tmp_path, pp, grad_reduce,
+                                                                                   dtype):
     """PipelineStage alone keeps a stage's whole gradients unsharded, in fp32, from the first micro-batch's backward
-    to the step's end (25.2 MB at --pp 1 in bf16 here, 4 x the model's 5.2M parameters and a bf16 group); the
-    chapter reduce-scatters each FSDP group's in every backward, as chapter 04 does. The bytes of full-size gradients
-    alive at the step's peak, measured by tools/measure_step.py, are tools/estimate_memory.py's, to the byte."""
+    to the step's end (12.6 MB on stage 0 at --pp 2 in bf16 here: 4 bytes x its 2.6M parameters, and a bf16 group);
+    the chapter reduce-scatters each FSDP group's in every backward, as chapter 04 does, unless --pp-grad-reduce step
+    asks for PipelineStage's way. The bytes of full-size gradients alive at the step's peak, measured by
+    tools/measure_step.py, are tools/estimate_memory.py's, to the byte."""
     out = tmp_path / "measured"
     train("08", env, tmp_path, "--max-steps", "1", "--wandb-mode", "disabled", "--pp", pp, "--dtype", dtype,
-          launcher=[*torchrun(2), REPO / "tools" / "measure_step.py", "--out", out])
+          "--pp-grad-reduce", grad_reduce, launcher=[*torchrun(2), REPO / "tools" / "measure_step.py", "--out", out])
     config = estimate_memory.load_config(TINY_MODEL)
     lines = []
     for rank, measurement in sorted(read_measurements(out).items()):
         # NOTE: FAST_ARGS' --batch-size 4 makes 4 micro-batches of one sequence.
         predicted = estimate_memory.estimate_step(config, estimate_memory.Layout(
             pp=int(pp), dp=2 // int(pp), fsdp=True, dtype=dtype, rank=rank, batch_size=1, grad_accum=4,
-            seq_length=SEQ_LENGTH))["full_size_grads_peak_bytes"]
+            seq_length=SEQ_LENGTH, pp_grad_reduce=grad_reduce))["full_size_grads_peak_bytes"]
         measured = [step["peak_full_size_grad_bytes"] for step in measurement["steps"]]
-        lines.append(f"--pp {pp} {dtype} rank {rank}: measured {measured}, estimated {predicted:,} bytes")
+        lines.append(f"--pp {pp} --pp-grad-reduce {grad_reduce} {dtype} rank {rank}: measured {measured}, "
+                     f"estimated {predicted:,} bytes")
         assert measured == [predicted]
     print("\n" + "\n".join(lines))
 

@@ -45,6 +45,10 @@ CASES = {
     "06 qwen2 ws4": ("06", 4, "qwen2", [], {"tp": 4}),
     "07 llama dp2 tp2": ("07", 4, "llama", ["--tp", "2"], {"dp": 2, "tp": 2, "fsdp": True}),
     "08 llama pp2": ("08", 2, "llama", ["--pp", "2"], {"pp": 2, "fsdp": True}),
+    # NOTE: 2 steps, as for chapter 11 below: the first also gathers the layers for the pipeline's shape inference.
+    "08 llama pp2 dp2 reduce per step": ("08", 4, "llama", ["--pp", "2", "--pp-grad-reduce", "step", "--max-steps",
+                                                            "2"], {"pp": 2, "dp": 2, "fsdp": True,
+                                                                   "pp_grad_reduce": "step"}),
     "09 llama cp2": ("09", 2, "llama", ["--cp", "2"], {"cp": 2, "fsdp": True}),
     "10 moe ep2 edp2": ("10", 4, "moe", ["--ep", "2"], {"dp": 4, "ep": 2, "fsdp": True}),
     # NOTE: 2 steps: a pipeline's first step also runs one micro-batch's forward to learn the shapes its stages send

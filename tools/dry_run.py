@@ -299,6 +299,7 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
                           ("--seq-length", 256), ("--grad-accum", 1), ("--dtype", "bfloat16"), ("--dp-replicate", 1)]:
         parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--pp-microbatches", type=int)
+    parser.add_argument("--pp-grad-reduce", default="microbatch")
     for flag in ["--activation-checkpointing", "--cpu-offload", "--split-root-group"]:
         parser.add_argument(flag, action="store_true")
     known, _ = parser.parse_known_args(chapter_args)
@@ -311,7 +312,7 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
     model_parallel = known.tp * known.pp * known.cp
     argv = ["-m", known.m, "--dp", str(world_size // model_parallel), "--fsdp", "--rank", str(rank), "--batch-size",
             str(known.batch_size), "--seq-length", str(known.seq_length), "--grad-accum", str(known.grad_accum),
-            "--dtype", known.dtype, "--json"]
+            "--dtype", known.dtype, "--pp-grad-reduce", known.pp_grad_reduce, "--json"]
     for flag in ["tp", "pp", "cp", "dp_replicate"]:
         if getattr(known, flag) > 1:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(known, flag))]

@@ -38,7 +38,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +85,8 @@ def get_parser():
                         help="chapter 05's FSDP groups: the embedding freed after its forward, norm and head apart")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06's plan)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (chapter 08, 1F1B schedule)")
+    parser.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
+                        help="chapter 08's and 11's: gradients reduce-scattered in every micro-batch, or once a step")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 09, ring attention)")
     parser.add_argument("--ep", type=int, default=None,
                         help="expert-parallel degree (chapter 10, with --fsdp): each rank holds experts / E experts")
@@ -152,6 +154,7 @@ class Layout:
     split_root_group: bool = False
     tp: int = 1
     pp: int = 1
+    pp_grad_reduce: str = "microbatch"
     cp: int = 1
     ep: int | None = None       # None: no expert parallelism (chapter 04's FSDP treats experts as any parameter)
     activation_checkpointing: bool = False
@@ -468,6 +471,13 @@ def estimate_step(config, layout):
     activations = activation_model(dims, layout, coords, widths)
     groups = fsdp_groups(parameters, dims, layout, coords)
     peak = simulate_step(state, activations, groups, dims, layout, widths)
+    if layout.fsdp and layout.pp > 1 and layout.pp_grad_reduce == "step":
+        # NOTE: --pp-grad-reduce step: the last micro-batch's backward, with one micro-batch's activations left and
+        # every group's whole fp32 gradients accumulated, may hold more than the first, with all in flight.
+        one_micro_batch = activation_model(dims, replace(layout, grad_accum=1), coords, widths)
+        last = simulate_step(state, one_micro_batch, groups, dims, layout, widths,
+                             sum(g.grad_full_bytes for g in groups.values()) * 4 // widths["grads"])
+        peak = max(peak, last, key=lambda result: result["above_start_bytes"])
     comm = communication(parameters, dims, layout, coords, groups, widths, model_buffer_bytes(config))
     return {
         "model": getattr(config, "name_or_path", "") or config.model_type,
@@ -700,7 +710,7 @@ def gathered_weights(groups, layout):
     return sum(layers[:2]) + kept
 
 
-def simulate_step(state, activations, groups, dims, layout, widths):
+def simulate_step(state, activations, groups, dims, layout, widths, accumulated_override=None):
     """The most memory a step holds above what it held when it started, from a walk through its phases.
 
     The phases: the start of backward (everything forward saved, the loss's gradients, the groups still
@@ -716,10 +726,12 @@ def simulate_step(state, activations, groups, dims, layout, widths):
     grads_exist_at_start = layout.dp > 1 and not fsdp and not layout.zero2
     # NOTE: with gradient accumulation the last micro-batch's backward runs with every (sharded) gradient there.
     accumulated = state["grads_bytes"] if layout.grad_accum > 1 and not grads_exist_at_start else 0
+    if accumulated_override is not None:
+        accumulated = accumulated_override
     layer_groups = layer_units(groups)
     other_groups = [g for g in groups.values() if g.layer is None]
     kept_gathered = sum(g.full_bytes for g in groups.values() if fsdp and not g.reshard_after_forward)
-    if fsdp and layout.pp > 1 and "root" in groups:
+    if fsdp and layout.pp > 1 and "root" in groups and layout.pp_grad_reduce == "microbatch":
         # NOTE: chapter 08's backwards are not FSDP's last of the step: the root group's fp32 reduce-scatter input
         # stays until the next backward's first reduction (FSDP frees it at the step's last backward only).
         kept_gathered += 4 * groups["root"].padded_numel
@@ -762,7 +774,10 @@ def simulate_step(state, activations, groups, dims, layout, widths):
         if fsdp:
             # NOTE: measured on CPUs: the layer's gathered weights are still there while its gradients are copied
             # into the reduce-scatter's buffer.
-            end = live_below + group.reduce_peak_bytes + gathered + grads_done
+            # NOTE: under --pp-grad-reduce step no layer reduces in backward: its whole fp32 gradients, already
+            # counted in grads_done, are added into the accumulated ones.
+            reduced = 0 if layout.pp > 1 and layout.pp_grad_reduce == "step" else group.reduce_peak_bytes
+            end = live_below + reduced + gathered + grads_done
         else:
             own_grads = 0 if grads_exist_at_start or accumulated else group.grad_full_bytes
             end = live_below + own_grads + grads_done + flowing / 3
@@ -776,7 +791,9 @@ def simulate_step(state, activations, groups, dims, layout, widths):
         last = groups.get("embedding") or groups.get("root")
         if last is not None:
             others = accumulated or sum(sharded_grad(g) for g in groups.values() if g is not last)
-            phases["end of backward"] = (others + last.grad_full_bytes + (kept_gathered if layout.pp > 1 else 0)
+            # NOTE: under --pp-grad-reduce step the last group's whole gradients are among the accumulated ones.
+            own = 0 if layout.pp > 1 and layout.pp_grad_reduce == "step" else last.grad_full_bytes
+            phases["end of backward"] = (others + own + (kept_gathered if layout.pp > 1 else 0)
                                          + 4 * last.padded_numel * (1 + 1 / layout.fsdp_shards) + into_embedding)
     elif not grads_exist_at_start:
         phases["end of backward"] = state["grads_bytes"] + into_embedding
@@ -805,7 +822,13 @@ def full_size_gradients(groups, state, layout):
         return max(layers + [g.grad_full_bytes for g in groups.values()])
     coords, width = rank_coordinates(layout), byte_widths(layout)["grads"]
     embedding = sum(width * numel(tp_local_shape(p, layout, coords)[1]) for p in root.params if p.role == "embedding")
-    return root.grad_full_bytes - embedding + max(layers + [embedding])
+    per_backward = root.grad_full_bytes - embedding + max(layers + [embedding])
+    if layout.pp > 1 and layout.pp_grad_reduce == "step":
+        # NOTE: --pp-grad-reduce step: every group's whole gradients accumulate in fp32 until the step's last
+        # backward; in bf16 a backward's own gradients come on top until they are added in (in fp32 they are the sum).
+        accumulated = sum(g.grad_full_bytes for g in groups.values()) * 4 // width
+        return accumulated + (per_backward if width != 4 else 0)
+    return per_backward
 
 
 def head_gradients(other_groups, layout, widths):
@@ -856,7 +879,8 @@ def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes
             gathers = (1 + group.reshard_after_forward) * micro_batches if layout.pp == 1 else 1
             name = "edp (experts' FSDP)" if group.name.endswith("experts") else "dp (FSDP)"
             add(name, group.shards, "all_gather", gathered, calls=gathers)
-            add(name, group.shards, "reduce_scatter", 4 * group.padded_numel, calls=micro_batches)
+            reduces = 1 if layout.pp > 1 and layout.pp_grad_reduce == "step" else micro_batches
+            add(name, group.shards, "reduce_scatter", 4 * group.padded_numel, calls=reduces)
             add("dp replicas (HSDP)", layout.dp_replicate, "all_reduce", 4 * group.padded_numel // shard_group,
                 calls=micro_batches)
         # NOTE: clip_grad_norm_ all-reduces the stacked partial norms of the parameters, one fp32 number each.
