@@ -34,8 +34,8 @@ def build_model_and_data(args):
     Call it in every process once the process group exists."""
     config = AutoConfig.from_pretrained(args.model_name)
     tokenizer = AutoTokenizer.from_pretrained(args.model_name)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=ch04.attention_implementation(),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation=ch04.attention_implementation(config, args.seq_length), dtype=torch.float32)
     with ch04.rank_zero_first():
         dataset = load_and_tokenize_dataset(args, tokenizer)
     return config, model, dataset
