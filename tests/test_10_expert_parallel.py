@@ -100,8 +100,9 @@ def first_batch_router_logits(monkeypatch, env):
     dataset = chapter.load_and_tokenize_dataset(args, tokenizer)
     state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
     input_ids = next(chapter.get_micro_batches(dataset, args, state, torch.device("cpu")))["input_ids"]
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MOE_MODEL), dtype=torch.float32,
-                                             attn_implementation=chapter.attention_implementation())
+    config = AutoConfig.from_pretrained(MOE_MODEL)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             attn_implementation=chapter.attention_implementation(config, SEQ_LENGTH))
     chapter.init_weights(model, 0)
     with torch.no_grad():
         output = model(input_ids=input_ids, labels=input_ids, use_cache=False)

@@ -123,7 +123,7 @@ def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monke
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     losses, syncs = {}, {}
     for attn_implementation in ("sdpa", "flash_attention_2"):
-        model.config._attn_implementation = chapter.attention_implementation(attn_implementation)
+        model.config._attn_implementation = chapter.attention_implementation(config, 64, attn_implementation)
         for batch_size in (1, 2):
             input_ids = torch.randint(0, config.vocab_size, (batch_size, 64),
                                       generator=torch.Generator().manual_seed(batch_size))
