@@ -141,7 +141,8 @@ def interrupted_run(runs, env):
     """ep 2, stopped after step 3 with its checkpoint; tools/measure_step.py counts what it sends."""
     nproc, flags = LAYOUTS["ep2"]
     return runs.train("10", env, *COMMON, *flags, "--batch-size", str(GLOBAL_BATCH // nproc), "--exit-after-steps",
-                      str(HALF), nproc=nproc, launcher=[*torchrun(nproc), MEASURE, "--out", measured_dir(runs), "--log-calls"])
+                      str(HALF), nproc=nproc,
+                      launcher=[*torchrun(nproc), MEASURE, "--out", measured_dir(runs), "--log-calls"])
 
 
 def measured_dir(runs):

@@ -24,8 +24,8 @@ from helpers import CHAPTERS, REPO, cold_start, load_script, read_metrics, run, 
 EXISTING_CHAPTERS = [chapter for chapter in CHAPTERS if script(chapter).exists()]
 # NOTE: every page one folder down, not only README.md: related-topics/ has a page a topic.
 READMES = sorted(REPO.glob("*.md")) + sorted(path for path in REPO.glob("*/*.md") if path.parent.name != "outputs")
-REPO_PATH = re.compile(r"(?<![\w/.-])((?:\d\d-[a-z0-9-]+|diagnosing-errors|related-topics|alternative-frameworks|tools|dev|data|"
-                       r"tests|\.ci)/[\w./-]*[\w])")
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:\d\d-[a-z0-9-]+|diagnosing-errors|related-topics|alternative-frameworks|tools|"
+                       r"dev|data|tests|\.ci)/[\w./-]*[\w])")
 # A script that is run, not named as a value (TRAIN_SCRIPT=07-2d-parallel/train_llm.py sbatch ...).
 SCRIPT_CALL = re.compile(r"(?<![=\w/.-])(\d\d-[a-z0-9-]+)/train_llm\.py((?:\s+[^|;&#]+)?)")
 

@@ -166,6 +166,11 @@ class Layout:
     rank: int = 0
 
     @property
+    def reduces_once_per_step(self):
+        """--pp-grad-reduce step (chapters 08, 11): FSDP's gradients accumulate whole until the step's last backward."""
+        return self.fsdp and self.pp > 1 and self.pp_grad_reduce == "step"
+
+    @property
     def world_size(self):
         return self.dp * self.tp * self.pp * self.cp
 
@@ -471,12 +476,12 @@ def estimate_step(config, layout):
     activations = activation_model(dims, layout, coords, widths)
     groups = fsdp_groups(parameters, dims, layout, coords)
     peak = simulate_step(state, activations, groups, dims, layout, widths)
-    if layout.fsdp and layout.pp > 1 and layout.pp_grad_reduce == "step":
+    if layout.reduces_once_per_step:
         # NOTE: --pp-grad-reduce step: the last micro-batch's backward, with one micro-batch's activations left and
         # every group's whole fp32 gradients accumulated, may hold more than the first, with all in flight.
         one_micro_batch = activation_model(dims, replace(layout, grad_accum=1), coords, widths)
         last = simulate_step(state, one_micro_batch, groups, dims, layout, widths,
-                             sum(g.grad_full_bytes for g in groups.values()) * 4 // widths["grads"])
+                             accumulated_full_gradients(groups, widths))
         peak = max(peak, last, key=lambda result: result["above_start_bytes"])
     comm = communication(parameters, dims, layout, coords, groups, widths, model_buffer_bytes(config))
     return {
@@ -731,7 +736,7 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
     layer_groups = layer_units(groups)
     other_groups = [g for g in groups.values() if g.layer is None]
     kept_gathered = sum(g.full_bytes for g in groups.values() if fsdp and not g.reshard_after_forward)
-    if fsdp and layout.pp > 1 and "root" in groups and layout.pp_grad_reduce == "microbatch":
+    if fsdp and layout.pp > 1 and "root" in groups and not layout.reduces_once_per_step:
         # NOTE: chapter 08's backwards are not FSDP's last of the step: the root group's fp32 reduce-scatter input
         # stays until the next backward's first reduction (FSDP frees it at the step's last backward only).
         kept_gathered += 4 * groups["root"].padded_numel
@@ -776,7 +781,7 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
             # into the reduce-scatter's buffer.
             # NOTE: under --pp-grad-reduce step no layer reduces in backward: its whole fp32 gradients, already
             # counted in grads_done, are added into the accumulated ones.
-            reduced = 0 if layout.pp > 1 and layout.pp_grad_reduce == "step" else group.reduce_peak_bytes
+            reduced = 0 if layout.reduces_once_per_step else group.reduce_peak_bytes
             end = live_below + reduced + gathered + grads_done
         else:
             own_grads = 0 if grads_exist_at_start or accumulated else group.grad_full_bytes
@@ -792,7 +797,7 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
         if last is not None:
             others = accumulated or sum(sharded_grad(g) for g in groups.values() if g is not last)
             # NOTE: under --pp-grad-reduce step the last group's whole gradients are among the accumulated ones.
-            own = 0 if layout.pp > 1 and layout.pp_grad_reduce == "step" else last.grad_full_bytes
+            own = 0 if layout.reduces_once_per_step else last.grad_full_bytes
             phases["end of backward"] = (others + own + (kept_gathered if layout.pp > 1 else 0)
                                          + 4 * last.padded_numel * (1 + 1 / layout.fsdp_shards) + into_embedding)
     elif not grads_exist_at_start:
@@ -823,12 +828,15 @@ def full_size_gradients(groups, state, layout):
     coords, width = rank_coordinates(layout), byte_widths(layout)["grads"]
     embedding = sum(width * numel(tp_local_shape(p, layout, coords)[1]) for p in root.params if p.role == "embedding")
     per_backward = root.grad_full_bytes - embedding + max(layers + [embedding])
-    if layout.pp > 1 and layout.pp_grad_reduce == "step":
-        # NOTE: --pp-grad-reduce step: every group's whole gradients accumulate in fp32 until the step's last
-        # backward; in bf16 a backward's own gradients come on top until they are added in (in fp32 they are the sum).
-        accumulated = sum(g.grad_full_bytes for g in groups.values()) * 4 // width
-        return accumulated + (per_backward if width != 4 else 0)
+    if layout.reduces_once_per_step:
+        # NOTE: in bf16 a backward's own whole gradients come on top of the fp32 sum until they are added in.
+        return accumulated_full_gradients(groups, byte_widths(layout)) + (per_backward if width != 4 else 0)
     return per_backward
+
+
+def accumulated_full_gradients(groups, widths):
+    """--pp-grad-reduce step: every FSDP group's whole gradients, summed in fp32 until the step's last backward."""
+    return sum(g.grad_full_bytes for g in groups.values()) * 4 // widths["grads"]
 
 
 def head_gradients(other_groups, layout, widths):
@@ -879,7 +887,7 @@ def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes
             gathers = (1 + group.reshard_after_forward) * micro_batches if layout.pp == 1 else 1
             name = "edp (experts' FSDP)" if group.name.endswith("experts") else "dp (FSDP)"
             add(name, group.shards, "all_gather", gathered, calls=gathers)
-            reduces = 1 if layout.pp > 1 and layout.pp_grad_reduce == "step" else micro_batches
+            reduces = 1 if layout.reduces_once_per_step else micro_batches
             add(name, group.shards, "reduce_scatter", 4 * group.padded_numel, calls=reduces)
             add("dp replicas (HSDP)", layout.dp_replicate, "all_reduce", 4 * group.padded_numel // shard_group,
                 calls=micro_batches)
