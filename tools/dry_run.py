@@ -34,7 +34,6 @@ activations are those alive at the peak, the estimator's all that forward saves:
 
 import argparse
 import contextlib
-import functools
 import importlib.util
 import json
 import os
@@ -240,8 +239,9 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
                     "10", "--log-freq", "1000", "--ckpt-freq", "1000", "--num-workers", "0"]
         exit_stack.enter_context(patched(dist, "init_process_group", init_process_group))
         # NOTE: the fake backend is the only one here: the checkpoints' gloo group becomes a fake group too.
-        exit_stack.enter_context(patched(dist, "new_group", functools.partial(
-            lambda new_group, *args, backend=None, **kwargs: new_group(*args, **kwargs), dist.new_group)))
+        new_group = dist.new_group
+        exit_stack.enter_context(patched(dist, "new_group", lambda *args, backend=None, **kwargs: new_group(*args,
+                                                                                                          **kwargs)))
         exit_stack.enter_context(patched(torch.optim, "AdamW", RecordedAdamW))
         exit_stack.enter_context(patched(module.wandb, "init", lambda *a, **k: None))
         exit_stack.enter_context(patched(module.wandb, "finish", lambda *a, **k: None))
