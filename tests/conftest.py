@@ -132,6 +132,8 @@ def warm_start(session_dir):
     ready = server.stdout.readline().strip()
     assert ready == "ready", f"the warm-start server did not start: {(session_dir / 'warm-start.log').read_text()}"
     yield {"WARM_START_SOCKET": socket_path}
+    # NOTE: a dead server is not silent: every process after it started cold, and the suite ran slow.
+    assert server.poll() is None, f"the warm-start server died: {(session_dir / 'warm-start.log').read_text()[-3000:]}"
     server.terminate()
     server.wait(timeout=30)
     log.close()

@@ -230,6 +230,13 @@ def with_faults(env, **variables):
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(FAULTS)])), **variables}
 
 
+def error_lines(stderr):
+    """The one-line `error: ...` messages in stderr, one per rank that printed one. CPython writes a SystemExit's
+    message and its newline in two writes, so two ranks' lines on the job's shared stderr can come out as one."""
+    return [f"error: {part}" for line in stderr.splitlines() if line.startswith("error: ")
+            for part in line.split("error: ")[1:]]
+
+
 def cold_start(env):
     """env without the warm-start server: every process it starts imports its libraries itself (tests/warm_start)."""
     return {name: value for name, value in env.items() if name != "WARM_START_SOCKET"}

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_seconds, grad_norm_difference,
+from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_seconds, grad_norm_difference,
                      largest_weight_difference, load_script, max_difference, read_losses, read_metrics, run, script,
                      torchrun, train, train_with_a_restart, with_faults)
 from helpers import quick_cases
@@ -238,6 +238,6 @@ def test_torchrun_restarts_on_the_agents_store_get_a_one_line_error(env, tmp_pat
     result, _ = train(chapter, env, tmp_path, "--max-steps", "2", *NO_WANDB, nproc=2, check=False, timeout=240,
                       launcher=[*torchrun(2), "--max-restarts", "1"])
     assert result.returncode == 1
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 4 and all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line for line in errors), errors
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"

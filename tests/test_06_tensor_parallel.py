@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
+from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
                      logged_parameter_count, max_difference, read_losses, read_metrics, run, script, torchrun, train,
                      train_with_a_restart)
 
@@ -188,7 +188,7 @@ def test_a_wrong_style_is_named_at_its_module(env, tmp_path, broken):
 
 def worker_errors(result):
     """The distinct one-line errors the workers printed (each rank prints the same one)."""
-    return sorted({line for line in result.stderr.splitlines() if line.startswith("error: ")})
+    return sorted(set(error_lines(result.stderr)))
 
 
 def test_resume_is_exact(env, runs, tmp_path):

@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
+from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
                      logged_parameter_count, max_difference, read_losses, read_metrics, train)
 
 README = REPO / CHAPTERS["07"] / "README.md"
@@ -156,7 +156,7 @@ def test_a_layout_that_does_not_fit_the_world_gets_a_one_line_error(env, tmp_pat
     result, _ = train("07", env, tmp_path, *COMMON, *flags, nproc=2, check=False, timeout=180)
     assert result.returncode == 1
     # Each rank prints the one line and exits; torchrun then adds its own summary of the failed ranks.
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 2 and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
 

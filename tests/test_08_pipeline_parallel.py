@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import (CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
+from helpers import (CHAPTERS, error_lines, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
                      max_difference, read_losses, read_metrics, run, torchrun, train, with_faults)
 from helpers import quick_cases
 
@@ -354,7 +354,7 @@ def test_a_bad_pp_or_micro_batch_count_gets_a_one_line_error(env, tmp_path, case
         assert error_line(result).startswith(expected), result.stderr[-3000:]
     else:
         # Each rank prints the one line and exits; torchrun then adds its own summary of the failed ranks.
-        errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+        errors = error_lines(result.stderr)
         assert len(errors) == nproc and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
 
@@ -428,7 +428,7 @@ def test_an_empty_data_file_stops_every_rank_with_the_one_line(env, tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     result, _ = train("08", env, tmp_path, *COMMON, "-d", tmp_path / "empty.jsonl", nproc=2, check=False, timeout=120)
     assert result.returncode == 1
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 2 and all(line.startswith("error: cannot load -d ") and "(it holds no data)" in line
                                     for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr and "Connection closed" not in result.stderr
@@ -439,7 +439,7 @@ def test_a_missing_text_column_stops_every_rank_with_the_one_line(env, tmp_path)
     # at a collective until the timeout), and without a traceback.
     result, _ = train("08", env, tmp_path, *COMMON, "--text-column", "nope", nproc=2, check=False, timeout=120)
     assert result.returncode == 1
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 2 and all(line.startswith("error: no text column 'nope'")
                                     for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr and "Connection closed" not in result.stderr

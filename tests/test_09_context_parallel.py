@@ -21,7 +21,7 @@ import torch
 
 from transformers import AutoConfig
 
-from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, grad_norm_difference,
+from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, grad_norm_difference,
                      load_script, max_difference, read_losses, read_metrics, run, script, torchrun, train)
 from helpers import quick_cases
 from test_drift import LINEAGE, top_level_definitions
@@ -79,7 +79,7 @@ def test_the_attention_check_catches_a_ring_that_lets_queries_see_later_tokens(e
     # The ring with visible_block() broken: every other rank's keys all visible. The check must fail, at the ring.
     result = run([*torchrun(2), ATTENTION_CHECK], {**env, "CP_CHECK_BREAK": "ring-sees-the-future"}, tmp_path,
                  timeout=600, check=False)
-    errors = sorted({line for line in result.stderr.splitlines() if line.startswith("error: ")})
+    errors = sorted(set(error_lines(result.stderr)))
     print(f"\nattention check with a broken ring: {errors}")
     assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
     assert errors[0].startswith("error: cp 2, ring, load balancing on: attention output differs by")
@@ -178,7 +178,7 @@ def test_a_bad_input_stops_every_rank_with_one_line(env, tmp_path):
     result, _ = train("09", env, tmp_path, "--max-steps", "2", "--cp", "2", "--seq-length", "250", nproc=2,
                       check=False, timeout=300)
     assert result.returncode == 1
-    errors = sorted({line for line in result.stderr.splitlines() if line.startswith("error: ")})
+    errors = sorted(set(error_lines(result.stderr)))
     assert errors == ["error: --seq-length 250 does not split into 4 equal chunks (--cp 2, load balancing on); use a "
                       "multiple of 4"], result.stderr[-3000:]
     assert f'File "{script("09")}"' not in result.stderr

@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
-from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, grad_norm_difference,
+from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, grad_norm_difference,
                      load_script, max_difference, read_losses, read_metrics, run, script, torchrun, train)
 from helpers import quick_cases
 from test_drift import LINEAGE, top_level_definitions
@@ -280,7 +280,7 @@ def test_a_bad_input_stops_every_rank_with_one_line(env, tmp_path):
     result, _ = train("10", env, tmp_path, "--max-steps", "2", "--ep", "2", "-m", TINY_MODEL, nproc=2, check=False,
                       timeout=300)
     assert result.returncode == 1
-    errors = sorted({line for line in result.stderr.splitlines() if line.startswith("error: ")})
+    errors = sorted(set(error_lines(result.stderr)))
     assert errors == [BAD_INPUTS["a dense model"][3]], result.stderr[-3000:]
     assert f'File "{script("10")}"' not in result.stderr
 

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
+from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
                      max_difference, read_losses, train)
 from helpers import quick_cases
 
@@ -152,7 +152,7 @@ def test_a_layout_that_cannot_be_made_gets_a_one_line_error(env, tmp_path, case)
     result, _ = train("11", env, tmp_path, *COMMON, *flags, nproc=nproc, check=False, timeout=180)
     assert result.returncode == 1
     # Each rank prints the one line and exits; torchrun then adds its own summary of the failed ranks.
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    errors = error_lines(result.stderr)
     assert len(errors) == nproc and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
 

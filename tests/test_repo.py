@@ -12,9 +12,11 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -417,6 +419,34 @@ def test_a_warm_started_process_exits_and_dies_as_a_cold_one(env, tmp_path):
     assert (tmp_path / "ran.txt").read_text() == "exits.py\ndies.py\nwaits.py\n"
     served = [" ".join(argv) for argv in warm_served(env).values()]
     assert [sum(name in argv for argv in served) for name in ["exits.py", "dies.py", "waits.py"]] == [1, 1, 1]
+
+
+def test_the_warm_start_server_outlives_clients_killed_at_any_point(env, tmp_path):
+    if "WARM_START_SOCKET" not in env:
+        pytest.skip("WARM_START=0: every process starts cold")
+    (tmp_path / "waits.py").write_text("import time; time.sleep(60)\n")
+    request = {"argv": ["waits.py"], "path": str(tmp_path / "waits.py"), "module": None, "cwd": str(tmp_path),
+               "env": env, "sys_path": sys.path, "nice": 0}
+    served_before = set(warm_served(env))
+    # NOTE: gone mid-request; gone before the answer (ECONNRESET at the server); a signal in the request's packet
+    for message in [b'{"argv": ', json.dumps(request).encode() + b"\n",
+                    json.dumps(request).encode() + b"\n" + b'{"signal": 15}\n']:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.settimeout(30)
+            client.connect(env["WARM_START_SOCKET"])
+            socket.send_fds(client, [message], [0, 1, 2])
+            if message.endswith(b"}\n") and b"signal" in message:
+                assert json.loads(client.makefile().readline())["pid"] > 0
+                assert json.loads(client.makefile().readline()) == {"signal": signal.SIGTERM}
+    new = [pid for pid in warm_served(env) if pid not in served_before]
+    assert len(new) == 2
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in new) and time.monotonic() < deadline:
+        time.sleep(0.1)  # NOTE: the server kills the child of a client that went away
+    assert not any(Path(f"/proc/{pid}").exists() for pid in new)
+    (tmp_path / "exits.py").write_text("import sys; sys.exit(4)\n")
+    assert run([sys.executable, tmp_path / "exits.py"], env, tmp_path, check=False).returncode == 4
+    assert any("exits.py" in " ".join(argv) for argv in warm_served(env).values()), "the server stopped serving"
 
 
 def render_problems(text):

@@ -13,8 +13,9 @@ test in test_repo.py start cold ranks) and a command line (ps shows the server's
 
 Protocol on the Unix socket, one JSON object per line: the client sends the request (argv, the script path or module,
 cwd, environment) together with its file descriptors 0, 1 and 2; the server answers {"pid": N}, relays any
-{"signal": S} the client sends to the child, and ends with {"exit": code} or {"signal": S}. When the client goes away
-without waiting (it was killed), the server kills the child's process group.
+{"signal": S} the client sends to the child, and ends with {"exit": code} or {"signal": S}; or, when it cannot fork,
+answers {"cold": true} and the client runs the command itself. When the client goes away without waiting (it was
+killed), the server kills the child's process group; a client that dies at any point never stops the server.
 """
 
 import json
@@ -37,6 +38,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 from transformers.models.llama import modeling_llama
 import transformers.masking_utils, transformers.modeling_utils
 """
+# NOTE: the signals a client relays (sitecustomize.py).
+RELAYED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2}
 
 
 def main():
@@ -63,8 +66,22 @@ def main():
         for key, _ in selector.select(timeout=0.05):
             if key.fileobj is listener:
                 connection, _ = listener.accept()
-                request, fds = receive_request(connection)
-                pid = os.fork()
+                try:
+                    request, fds, after = receive_request(connection)
+                except (OSError, ValueError):  # NOTE: the client died before its request was whole
+                    connection.close()
+                    continue
+                # NOTE: blocked across the fork: a signal relayed at once must not run the server's SIGTERM handler
+                signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED)
+                try:
+                    pid = os.fork()
+                except OSError:  # NOTE: no memory for a fork (a loaded machine): the client runs the command itself
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
+                    answer(connection, {"cold": True})
+                    for fd in fds:
+                        os.close(fd)
+                    connection.close()
+                    continue
                 if pid == 0:
                     selector.close()
                     listener.close()
@@ -72,37 +89,62 @@ def main():
                     for other in connections:
                         other.close()
                     run_child(request, fds, connection, set_by_imports)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
                 for fd in fds:
                     os.close(fd)
                 served.write(json.dumps({"pid": pid, "argv": request["argv"], "cwd": request["cwd"]}) + "\n")
                 served.flush()
-                connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
                 children[pid] = connection
                 connections[connection] = [pid, b""]
                 selector.register(connection, selectors.EVENT_READ)
+                answer(connection, {"pid": pid})
+                relay_signals(connection, connections, pid, after)
             else:
                 connection = key.fileobj
                 pid, pending = connections[connection]
-                data = connection.recv(4096)
+                try:
+                    data = connection.recv(4096)
+                except OSError:  # NOTE: ECONNRESET: the client was killed with an answer still unread
+                    data = b""
                 if not data:  # NOTE: the client is gone (killed): so is what it started
                     kill_group(pid)
                     selector.unregister(connection)
                     connections.pop(connection)
                     continue
-                *lines, connections[connection][1] = (pending + data).split(b"\n")
-                for line in lines:
-                    try:
-                        os.kill(pid, json.loads(line)["signal"])
-                    except ProcessLookupError:
-                        pass
+                relay_signals(connection, connections, pid, pending + data)
         reap(children, connections, selector)
 
 
 def receive_request(connection):
+    """The request, its file descriptors and what came after it (the first signals the client relays)."""
     data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-    while not data.endswith(b"\n"):
-        data += connection.recv(1 << 20)
-    return json.loads(data), fds
+    while b"\n" not in data:
+        more = connection.recv(1 << 20)
+        if not more:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("the client closed its connection mid-request")
+        data += more
+    request, after = data.split(b"\n", 1)
+    return json.loads(request), fds, after
+
+
+def relay_signals(connection, connections, pid, data):
+    """Deliver each whole {"signal": S} line to the child; keep a partial one for the next read."""
+    *lines, connections[connection][1] = data.split(b"\n")
+    for line in lines:
+        try:
+            os.kill(pid, json.loads(line)["signal"])
+        except ProcessLookupError:
+            pass
+
+
+def answer(connection, message):
+    """Send the client a message; one that is gone (killed) is noticed when its connection is next read."""
+    try:
+        connection.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
 
 
 def reap(children, connections, selector):
@@ -120,10 +162,7 @@ def reap(children, connections, selector):
             message = {"signal": os.WTERMSIG(status)}
         else:
             message = {"exit": os.WEXITSTATUS(status)}
-        try:
-            connection.sendall(json.dumps(message).encode() + b"\n")
-        except OSError:
-            pass
+        answer(connection, message)
         if connection in connections:
             selector.unregister(connection)
             connections.pop(connection)
@@ -131,10 +170,12 @@ def reap(children, connections, selector):
 
 
 def kill_group(pid):
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    """Kill the child and its process group (none yet if it has not reached its setsid())."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def stop(children):
@@ -152,6 +193,7 @@ def run_child(request, fds, connection, set_by_imports):
     os.setsid()
     be_nice(request.get("nice", 0))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)

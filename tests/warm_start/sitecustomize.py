@@ -55,6 +55,7 @@ def warm_request():
 
 
 def run_warm(socket_path, request):
+    """Hand the command to the server; return only if it asks this process to run the command itself."""
     import json
     import signal
     import socket
@@ -64,23 +65,40 @@ def run_warm(socket_path, request):
         connection.connect(socket_path)
     except OSError:
         return  # NOTE: no server (the session is over): run here
+    # NOTE: caught from before the request is sent and relayed after it, so no signal is lost to the race.
+    caught, sent = [], []
+
+    def forward(number, _frame):
+        caught.append(number)
+        if sent:
+            while caught:
+                connection.sendall(json.dumps({"signal": caught.pop(0)}).encode() + b"\n")
+
+    relayed = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+    handlers = {number: signal.signal(number, forward) for number in relayed}
     socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-    # NOTE: from here on the command runs in the server's child: whatever happens, this process never runs it too.
+    sent.append(True)
+    while caught:
+        connection.sendall(json.dumps({"signal": caught.pop(0)}).encode() + b"\n")
+    # NOTE: from here on the command runs in the server's child, unless the server could not fork and says so.
     try:
         relay(connection, json, signal)
+    except ColdStart:
+        connection.close()
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+        return
     except BaseException as error:
         print(f"warm start: lost the server's child ({error!r})", file=sys.stderr, flush=True)
     os._exit(1)
 
 
-def relay(connection, json, signal):
-    """Relay this process's signals to the child, then end as it ended: its exit status, or its signal."""
-    def forward(signal_number, _frame):
-        connection.sendall(json.dumps({"signal": signal_number}).encode() + b"\n")
+class ColdStart(Exception):
+    pass
 
-    for signal_number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                          signal.SIGUSR2):
-        signal.signal(signal_number, forward)
+
+def relay(connection, json, signal):
+    """End as the server's child ended: its exit status, or its signal (this process's signals are relayed to it)."""
     received = b""
     while True:
         data = connection.recv(4096)
@@ -90,6 +108,8 @@ def relay(connection, json, signal):
         while b"\n" in received:
             line, received = received.split(b"\n", 1)
             message = json.loads(line)
+            if "cold" in message:
+                raise ColdStart
             if "exit" in message:
                 os._exit(message["exit"])
             if "signal" in message:
