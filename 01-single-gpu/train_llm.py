@@ -5,7 +5,6 @@
 """
 
 import argparse
-import collections
 import contextlib
 import json
 import logging
@@ -92,30 +91,26 @@ def main():
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
-        timer = StepTimer(device)
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
-            with timer("data"):
-                input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
-            with timer("forward"), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                 # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
                 loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
-            with timer("backward"):
-                loss.backward()
+            loss.backward()
             # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
             step_loss += loss.detach()
-        with timer("update"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         train_state["step"] = step
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
 
         if step % args.log_freq == 0 or step == last_step:
-            # NOTE: only logging steps wait for the GPU (.item(), read_ms()): the clock then times its work.
+            # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -123,7 +118,7 @@ def main():
                 "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                 "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                 "mfu": tokens_per_second * flops_per_token / peak_flops if peak_flops else None,
-                **read_and_reset_memory_stats(device), **timer.read_ms()}
+                **read_and_reset_memory_stats(device)}
             log_metrics(metrics_file, record)
         if step % args.ckpt_freq == 0 or step == last_step:
             save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config)
@@ -402,41 +397,10 @@ def read_and_reset_memory_stats(device):
 def log_metrics(metrics_file, record):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key[:-3]} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
-    times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
     LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
-                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
-                f" | ms: {times}")
+                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}")
     wandb.log(record, step=record["step"])
     print(json.dumps(record), file=metrics_file, flush=True)
-
-
-class StepTimer:
-    # NOTE: the CPU's clock would time the queueing of asynchronous kernels: CUDA events, in the stream, time them.
-
-    def __init__(self, device):
-        self.use_cuda_events = device.type == "cuda"
-        self.spans = []
-
-    @contextlib.contextmanager
-    def __call__(self, name):
-        start = self.now()
-        yield
-        self.spans.append((name, start, self.now()))
-
-    def now(self):
-        if not self.use_cuda_events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def read_ms(self):
-        if self.use_cuda_events:
-            torch.cuda.synchronize()
-        totals = collections.defaultdict(float)
-        for name, start, end in self.spans:
-            totals[f"time_{name}_ms"] += start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
-        return totals
 
 
 if __name__ == "__main__":

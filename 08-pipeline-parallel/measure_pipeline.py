@@ -2,10 +2,10 @@
 micro-batches against the bubble formula, the activations each stage holds at its peak, and a timeline picture of
 each schedule drawn from the measured events.
 
-The chapter logs only its step time. This tool records the rest from outside, with no measuring code in the chapter:
-with --record (under torchrun) it loads the chapter's script and patches its pipeline stage, loss, step timer and
-metrics log to time each micro-batch's forward, loss and backward on every stage and count the activations with
-saved-tensor hooks (PipelineRecorder); rank 0 writes every rank's figures to pipeline.jsonl, beside metrics.jsonl,
+The chapter logs only its tokens/s. This tool records the rest from outside, with no measuring code in the chapter:
+with --record (under torchrun) it loads the chapter's script and patches its pipeline stage, schedule, loss, gradient
+clipping, memory read-out and metrics log to time each micro-batch's forward, loss and backward on every stage and
+count the activations with saved-tensor hooks (PipelineRecorder); rank 0 writes every rank's figures to pipeline.jsonl, beside metrics.jsonl,
 on each logging step. Without --record it runs itself that way for each schedule and m, and reads those files.
 
     python 08-pipeline-parallel/measure_pipeline.py                  # the table for the README, and the picture
@@ -170,13 +170,16 @@ def draw_timelines(timelines, microbatches, path):
 
 
 def record(script, script_args):
-    """Run the script's main() with its stage, loss, step timer and metrics log patched to record the pipeline."""
+    """Run the script's main() with its stage, schedule, loss, gradient clipping, memory read-out and metrics log
+    patched to record the pipeline."""
     spec = importlib.util.spec_from_file_location("train_llm", script)
     chapter = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(chapter)
-    recorder = PipelineRecorder(chapter.StepTimer)
+    recorder = PipelineRecorder()
     check_pipeline_layout, get_loss_function, log_metrics = (
         chapter.check_pipeline_layout, chapter.get_loss_function, chapter.log_metrics)
+    build_pipeline_schedule, clip_grad_norm_across_stages, read_and_reset_memory_stats = (
+        chapter.build_pipeline_schedule, chapter.clip_grad_norm_across_stages, chapter.read_and_reset_memory_stats)
 
     class RecordedPipelineStage(chapter.FSDPPipelineStage):
         def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
@@ -191,22 +194,27 @@ def record(script, script_args):
             with recorder.computation("reduce", self.stage_index, None):
                 return super().perform_reduce_grad(grad_scale_factor)
 
-    class RecordedStepTimer(chapter.StepTimer):
-        def __init__(self, device):
-            super().__init__(device)
-            self.device = device
+    def recorded_schedule(*args):
+        schedule, has_first_stage, has_last_stage = build_pipeline_schedule(*args)
+        step = schedule.step
 
-        def __call__(self, name):
-            # NOTE: the chapter empties its one timer at each step's start: the step's first span starts its record.
-            if not self.spans:
-                recorder.start_step(self, self.device)
-            return super().__call__(name)
+        def recorded_step(*step_args, **step_kwargs):
+            with recorder.pipeline(args[-2]):  # NOTE: the chapter's device, the schedule's last argument but one
+                return step(*step_args, **step_kwargs)
 
-        def read_ms(self):
-            # NOTE: the chapter reads its timer on every rank on logging steps, after the device finished the step.
-            times = super().read_ms()
-            recorder.gather(self)
-            return times
+        schedule.step = recorded_step
+        return schedule, has_first_stage, has_last_stage
+
+    def recorded_clipping(*args):
+        recorder.step_ended = True  # NOTE: after the step's last schedule: the next one starts a new record
+        return clip_grad_norm_across_stages(*args)
+
+    def gathered_memory_stats(device):
+        # NOTE: every rank reads its memory on logging steps, after the device finished the step (and before the
+        # loop, with nothing recorded yet).
+        if recorder.events:
+            recorder.gather()
+        return read_and_reset_memory_stats(device)
 
     def recorded_layout(args, world_size, config):
         recorder.args = args
@@ -217,11 +225,40 @@ def record(script, script_args):
         record["pipeline_idle_fraction"] = recorder.log(record["step"], Path(metrics_file.name).parent, chapter.LOGGER)
         log_metrics(metrics_file, record)
 
-    chapter.FSDPPipelineStage, chapter.StepTimer = RecordedPipelineStage, RecordedStepTimer
+    chapter.FSDPPipelineStage, chapter.build_pipeline_schedule = RecordedPipelineStage, recorded_schedule
+    chapter.clip_grad_norm_across_stages, chapter.read_and_reset_memory_stats = recorded_clipping, gathered_memory_stats
     chapter.check_pipeline_layout, chapter.log_metrics = recorded_layout, log_metrics_and_pipeline
     chapter.get_loss_function = lambda *args: recorder.timed_loss(get_loss_function(*args))
     sys.argv = [str(script), *script_args]
     chapter.main()
+
+
+class Clock:
+    """Spans of named work: CUDA events on a GPU, which time the kernels in the stream (the CPU's clock would time
+    their queueing), the CPU's clock otherwise."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.use_cuda_events, self.spans = torch, device.type == "cuda", []
+
+    @contextlib.contextmanager
+    def __call__(self, name):
+        start = self.now()
+        yield
+        self.spans.append((name, start, self.now()))
+
+    def now(self):
+        import time
+
+        if not self.use_cuda_events:
+            return time.perf_counter()
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def milliseconds(self, start, end):
+        return start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
 
 
 class PipelineRecorder:
@@ -234,12 +271,20 @@ class PipelineRecorder:
     its forward until its backward, so how many a stage holds depends on the schedule (GPipe runs all forwards first).
     """
 
-    def __init__(self, clock_class):
-        self.clock_class = clock_class
+    def __init__(self):
+        self.events, self.step_ended = [], True
 
-    def start_step(self, step_timer, device):
-        """Forget the last step's records and record this one, on a clock of the step timer's kind."""
-        self.step_timer, self.clock = step_timer, self.clock_class(device)
+    @contextlib.contextmanager
+    def pipeline(self, device):
+        """One schedule.step() (a step runs one per micro-step); the first after a step's end starts a new record."""
+        if self.step_ended:
+            self.start_step(device)
+        with self.clock("pipeline"):
+            yield
+
+    def start_step(self, device):
+        """Forget the last step's records and record this one."""
+        self.clock, self.step_ended = Clock(device), False
         self.events = []
         self.saved_bytes = {}
         self.held_bytes = self.peak_bytes = self.peak_microbatches = 0
@@ -285,15 +330,17 @@ class PipelineRecorder:
                 return loss_function(logits, labels)
         return recorded_loss_function
 
-    def gather(self, timer):
+    def gather(self):
         """Every rank's figures of this step, kept on rank 0, in ms from its first schedule's start (a collective)."""
         import torch.distributed as dist
 
-        pipeline_spans = [(start, end) for name, start, end in timer.spans if name == "pipeline"]
+        if self.clock.use_cuda_events:
+            self.clock.torch.cuda.synchronize()
+        pipeline_spans = [(start, end) for name, start, end in self.clock.spans if name == "pipeline"]
         reference = pipeline_spans[0][0]
 
         def milliseconds(mark):
-            return reference.elapsed_time(mark) if timer.use_cuda_events else (mark - reference) * 1000
+            return self.clock.milliseconds(reference, mark)
 
         events = [(kind, stage, microbatch, milliseconds(start), milliseconds(end))
                   for kind, stage, microbatch, start, end in self.events]

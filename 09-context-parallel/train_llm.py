@@ -8,7 +8,6 @@ attention gets the other tokens' keys and values from a ring, or an all-to-all. 
 """
 
 import argparse
-import collections
 import contextlib
 import datetime
 import functools
@@ -139,30 +138,25 @@ def main():
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
-        timer = StepTimer(device)
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
-            with timer("data"):
-                input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
-                input_ids, position_ids, labels, num_items = get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance)
+            input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
+            input_ids, position_ids, labels, num_items = get_model_inputs(input_ids, cp_mesh, dp_mesh, load_balance)
             # NOTE: no autocast: FSDP casts the gathered weights to bf16. No no_sync(): it would keep whole gradients
             # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
-            with timer("forward"):
-                # NOTE: labels come shifted (shift_labels; labels too, or no loss): the loss is this rank's share.
-                # No KV cache: only generation needs one, and it would keep every layer's keys and values alive.
-                loss = model(input_ids=input_ids, position_ids=position_ids, labels=labels, shift_labels=labels,
-                             num_items_in_batch=num_items, use_cache=False).loss / args.grad_accum
-            with timer("backward"):
-                loss.backward()
+            # NOTE: labels come shifted (shift_labels; labels too, or no loss): the loss is this rank's share.
+            # No KV cache: only generation needs one, and it would keep every layer's keys and values alive.
+            loss = model(input_ids=input_ids, position_ids=position_ids, labels=labels, shift_labels=labels,
+                         num_items_in_batch=num_items, use_cache=False).loss / args.grad_accum
+            loss.backward()
             # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
             step_loss += loss.detach()
-        with timer("update"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            if step == first_step:
-                log_memory_held(model, optimizer)
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        if step == first_step:
+            log_memory_held(model, optimizer)
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         train_state["step"] = step
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
@@ -171,7 +165,7 @@ def main():
         if step % args.log_freq == 0 or step == last_step:
             # NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-            # NOTE: only logging steps wait for the GPU (.item(), read_ms()): the clock then times its work.
+            # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -179,7 +173,7 @@ def main():
                 "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                 "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                 "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
-                **read_and_reset_memory_stats(device), **timer.read_ms()}
+                **read_and_reset_memory_stats(device)}
             if rank == 0:
                 log_metrics(metrics_file, record)
         if step % args.ckpt_freq == 0 or step == last_step:
@@ -854,41 +848,10 @@ def read_and_reset_memory_stats(device):
 def log_metrics(metrics_file, record):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key[:-3]} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
-    times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
     LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
-                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
-                f" | ms: {times}")
+                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}")
     wandb.log(record, step=record["step"])
     print(json.dumps(record), file=metrics_file, flush=True)
-
-
-class StepTimer:
-    # NOTE: the CPU's clock would time the queueing of asynchronous kernels: CUDA events, in the stream, time them.
-
-    def __init__(self, device):
-        self.use_cuda_events = device.type == "cuda"
-        self.spans = []
-
-    @contextlib.contextmanager
-    def __call__(self, name):
-        start = self.now()
-        yield
-        self.spans.append((name, start, self.now()))
-
-    def now(self):
-        if not self.use_cuda_events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def read_ms(self):
-        if self.use_cuda_events:
-            torch.cuda.synchronize()
-        totals = collections.defaultdict(float)
-        for name, start, end in self.spans:
-            totals[f"time_{name}_ms"] += start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
-        return totals
 
 
 def log_memory_held(model, optimizer):

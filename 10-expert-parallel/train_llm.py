@@ -8,7 +8,6 @@ with an all-to-all and its outputs come back with another. The rest of the model
 """
 
 import argparse
-import collections
 import contextlib
 import datetime
 import functools
@@ -137,31 +136,26 @@ def main():
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
-        timer = StepTimer(device)
         step_loss, step_aux_loss = torch.zeros((), device=device), torch.zeros((), device=device)
         for _ in range(args.grad_accum):
-            with timer("data"):
-                input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
+            input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
             # NOTE: no autocast: FSDP casts the gathered weights to bf16. No no_sync(): it would keep whole gradients
             # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
-            with timer("forward"):
-                # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
-                # NOTE: output_router_logits=False: transformers would add each rank's own load-balancing loss.
-                loss = model(input_ids=input_ids, labels=input_ids, use_cache=False, output_router_logits=False).loss
-                aux_loss = load_balancing.loss()
-                loss = (loss + load_balancing.coefficient * aux_loss) / args.grad_accum
-            with timer("backward"):
-                loss.backward()
+            # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
+            # NOTE: output_router_logits=False: transformers would add each rank's own load-balancing loss.
+            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False, output_router_logits=False).loss
+            aux_loss = load_balancing.loss()
+            loss = (loss + load_balancing.coefficient * aux_loss) / args.grad_accum
+            loss.backward()
             # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
             step_loss += loss.detach()
             step_aux_loss += aux_loss.detach() / args.grad_accum
-        with timer("update"):
-            grad_norm = clip_grad_norm(model.parameters(), args.max_grad_norm)
-            optimizer.step()
-            if step == first_step:
-                log_memory_held(model, optimizer)
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+        grad_norm = clip_grad_norm(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        if step == first_step:
+            log_memory_held(model, optimizer)
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         train_state["step"] = step
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
@@ -173,7 +167,7 @@ def main():
             step_loss /= world_size
             dist.all_reduce(step_aux_loss, op=dist.ReduceOp.SUM)
             step_aux_loss /= world_size
-            # NOTE: only logging steps wait for the GPU (.item(), read_ms()): the clock then times its work.
+            # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -182,7 +176,7 @@ def main():
                 "grad_norm": grad_norm.item(), "aux_loss": step_aux_loss.item(), **load_balancing.read_load(),
                 "tokens_per_second": tokens_per_second,
                 "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
-                **read_and_reset_memory_stats(device), **timer.read_ms()}
+                **read_and_reset_memory_stats(device)}
             if rank == 0:
                 log_metrics(metrics_file, record)
         if step % args.ckpt_freq == 0 or step == last_step:
@@ -740,44 +734,13 @@ def read_and_reset_memory_stats(device):
 def log_metrics(metrics_file, record):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key[:-3]} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
-    times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
     load = "" if "expert_load_max" not in record else (
         f" | aux loss {record['aux_loss']:.4f} | expert load max {record['expert_load_max']:.2f} min "
         f"{record['expert_load_min']:.2f}")
     LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
-                f"{record['grad_norm']:.3f}{load} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | "
-                f"{memory} | ms: {times}")
+                f"{record['grad_norm']:.3f}{load} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}")
     wandb.log(record, step=record["step"])
     print(json.dumps(record), file=metrics_file, flush=True)
-
-
-class StepTimer:
-    # NOTE: the CPU's clock would time the queueing of asynchronous kernels: CUDA events, in the stream, time them.
-
-    def __init__(self, device):
-        self.use_cuda_events = device.type == "cuda"
-        self.spans = []
-
-    @contextlib.contextmanager
-    def __call__(self, name):
-        start = self.now()
-        yield
-        self.spans.append((name, start, self.now()))
-
-    def now(self):
-        if not self.use_cuda_events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def read_ms(self):
-        if self.use_cuda_events:
-            torch.cuda.synchronize()
-        totals = collections.defaultdict(float)
-        for name, start, end in self.spans:
-            totals[f"time_{name}_ms"] += start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
-        return totals
 
 
 def log_memory_held(model, optimizer):

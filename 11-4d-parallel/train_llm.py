@@ -9,7 +9,6 @@ pipeline stages (chapter 08), tensor (06) and context parallelism (09), and FSDP
 """
 
 import argparse
-import collections
 import contextlib
 import datetime
 import functools
@@ -149,11 +148,9 @@ def main():
     model.train()
     # NOTE: each micro-batch's loss is its share of the step's mean over every label of every rank (chapter 09):
     # the shares add up to chapter 01's loss, and FSDP sums the gradients.
-    # NOTE: one timer for the run, which the stages and the loss time their work in; emptied at each step's start.
-    timer = StepTimer(device)
-    loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1), timer)
+    loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1))
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
-        stage_modules, args.pp_schedule, num_microbatches, loss_fn, timer, pp_mesh, device,
+        stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device,
         args.pp_grad_reduce == "microbatch")
     micro_batches = get_micro_batches(dataset, args, train_state, device, dp_rank, dp_size)
     first_step = train_state["step"] + 1
@@ -163,29 +160,26 @@ def main():
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
-        timer.spans.clear()
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
-            with timer("data"):
-                input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
+            input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
             # NOTE: labels shifted before the cp split (a chunk's last label is the next chunk's first token); the
             # first stage takes this rank's tokens, the last their labels; the schedule cuts them into micro-batches.
             labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)[:, token_indices]
             losses = [] if has_last_stage else None
             # NOTE: loss_parallel(), around the schedule's backward too: the loss of logits split by vocabulary.
-            with timer("pipeline"), loss_parallel():
+            with loss_parallel():
                 schedule.step(*([input_ids[:, token_indices]] if has_first_stage else []),
                               target=labels if has_last_stage else None, losses=losses, return_outputs=False)
             # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
             if has_last_stage:
                 step_loss += torch.stack(losses).sum().detach().full_tensor()
-        with timer("update"):
-            grad_norm = clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, pp_mesh.get_group())
-            optimizer.step()
-            if step == first_step:
-                log_memory_held(model, optimizer)
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+        grad_norm = clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, pp_mesh.get_group())
+        optimizer.step()
+        if step == first_step:
+            log_memory_held(model, optimizer)
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         train_state["step"] = step
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
@@ -195,19 +189,15 @@ def main():
             # NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             step_loss /= tp_degree
-            # NOTE: only logging steps wait for the GPU (.item(), read_ms()): the clock then times its work.
+            # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
-            times = timer.read_ms()
-            # NOTE: the rest of the pipeline span, this rank waited for its neighbours (the bubble) or transfers.
-            times["time_idle_ms"] = (times.pop("time_pipeline_ms") - times["time_forward_ms"]
-                                     - times["time_backward_ms"] - times["time_reduce_ms"])
             record = {
                 "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                 "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                 "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
-                **read_and_reset_memory_stats(device), **times}
+                **read_and_reset_memory_stats(device)}
             if rank == 0:
                 log_metrics(metrics_file, record)
         if step % args.ckpt_freq == 0 or step == last_step:
@@ -962,41 +952,10 @@ def read_and_reset_memory_stats(device):
 def log_metrics(metrics_file, record):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key[:-3]} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
-    times = " ".join(f"{key[5:-3]} {value:.0f}" for key, value in record.items() if key.startswith("time_"))
     LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
-                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}"
-                f" | ms: {times}")
+                f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}")
     wandb.log(record, step=record["step"])
     print(json.dumps(record), file=metrics_file, flush=True)
-
-
-class StepTimer:
-    # NOTE: the CPU's clock would time the queueing of asynchronous kernels: CUDA events, in the stream, time them.
-
-    def __init__(self, device):
-        self.use_cuda_events = device.type == "cuda"
-        self.spans = []
-
-    @contextlib.contextmanager
-    def __call__(self, name):
-        start = self.now()
-        yield
-        self.spans.append((name, start, self.now()))
-
-    def now(self):
-        if not self.use_cuda_events:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def read_ms(self):
-        if self.use_cuda_events:
-            torch.cuda.synchronize()
-        totals = collections.defaultdict(float)
-        for name, start, end in self.spans:
-            totals[f"time_{name}_ms"] += start.elapsed_time(end) if self.use_cuda_events else (end - start) * 1000
-        return totals
 
 
 def log_memory_held(model, optimizer):
@@ -1013,19 +972,18 @@ def log_memory_held(model, optimizer):
 # 6. The training loop: the pipeline
 
 
-def get_loss_function(model, config, num_labels, timer):
+def get_loss_function(model, config, num_labels):
     def loss_function(logits, labels):
-        with timer("forward"):
-            return model.loss_function(logits=logits, labels=labels, shift_labels=labels, vocab_size=config.vocab_size,
-                                       num_items_in_batch=num_labels)
+        return model.loss_function(logits=logits, labels=labels, shift_labels=labels, vocab_size=config.vocab_size,
+                                   num_items_in_batch=num_labels)
     return loss_function
 
 
-def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, timer, pp_mesh, device,
+def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device,
                             reduce_every_microbatch):
     """The schedule of this rank's stages, and whether it runs the first stage (the tokens) and the last (the loss)."""
     num_stages = pp_mesh.size() * len(stage_modules)
-    stage_options = dict(group=pp_mesh.get_group(), timer=timer, reduce_every_microbatch=reduce_every_microbatch)
+    stage_options = dict(group=pp_mesh.get_group(), reduce_every_microbatch=reduce_every_microbatch)
     stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, **stage_options)
               for module in stage_modules]
     schedule_class = get_schedule_class(PIPELINE_SCHEDULES[schedule_name])
@@ -1036,17 +994,9 @@ def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss
 
 
 class FSDPPipelineStage(PipelineStage):
-    def __init__(self, *args, timer, reduce_every_microbatch, **kwargs):
+    def __init__(self, *args, reduce_every_microbatch, **kwargs):
         super().__init__(*args, **kwargs)
-        self.timer, self.reduce_every_microbatch = timer, reduce_every_microbatch
-
-    def forward_one_chunk(self, *args, **kwargs):
-        with self.timer("forward"):
-            return super().forward_one_chunk(*args, **kwargs)
-
-    def backward_one_chunk(self, *args, **kwargs):
-        with self.timer("backward"):
-            return super().backward_one_chunk(*args, **kwargs)
+        self.reduce_every_microbatch = reduce_every_microbatch
 
     # NOTE: a workaround for torch 2.11 to 2.15 (tested), whose PipelineStage defers FSDP's reduce-scatter to the step's
     # end (pytorch #165106): whole fp32 gradients until then. Here each layer's are reduce-scattered in its backward.
@@ -1056,10 +1006,6 @@ class FSDPPipelineStage(PipelineStage):
         self.submod.set_is_last_backward(False)
         self.submod.set_reshard_after_backward(self.group_size == 1)
         return stage_backward(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]), None
-
-    def perform_reduce_grad(self, grad_scale_factor):
-        with self.timer("reduce"):
-            return super().perform_reduce_grad(grad_scale_factor)
 
 
 @torch.no_grad()

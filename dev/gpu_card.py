@@ -940,8 +940,6 @@ def summarize_run(card, run, record):
         for key in ["memory_allocated_gb", "memory_reserved_gb", "memory_rss_gb"]:
             if key in steady[0]:
                 record[key] = max(r[key] for r in records)
-        record["step_ms"] = {key[5:-3]: statistics.median(r[key] for r in steady)
-                             for key in steady[0] if key.startswith("time_")}
         environment = card.data["environment"]
         if getattr(run, "main_model", False):
             achieved = record["tokens_per_second"] * environment["model"]["flops_per_token"] / run.nproc
@@ -1102,8 +1100,8 @@ def render_markdown(data):
     title = "# GPU card" if data["mode"] == "gpu" else "# CPU card (the CPU mode: not a GPU measurement)"
     lines = [title, ""]
     lines += header_lines(data)
-    lines += ["", "| chapter | options | tokens/s | MFU | of ceiling | peak memory | step ms: data / fwd / bwd / update "
-              "| overhead vs bare loop | syncs/step | loss vs reference |", "|" + " --- |" * 10]
+    lines += ["", "| chapter | options | tokens/s | MFU | of ceiling | peak memory | overhead vs bare loop | syncs/step "
+              "| loss vs reference |", "|" + " --- |" * 9]
     for run in data["runs"]:
         if run["kind"] in ("chapter", "option"):
             lines.append(table_row(run, data))
@@ -1230,9 +1228,6 @@ def table_row(run, data):
         memory = f"{run['memory_rss_gb']:.2f} GB RSS"
     else:
         memory = ""
-    split = run.get("step_ms", {})
-    step = " / ".join(f"{split[key]:.0f}" if split.get(key, 0) >= 10 else f"{split.get(key, 0):.1f}"
-                      for key in ["data", "forward", "backward", "update"]) if split else ""
     benchmark = data["benchmark"].get(chapter) if run["kind"] == "chapter" else None
     overhead = f"{benchmark['overhead_percent']:+.1f}%" if benchmark else ""
     syncs = run.get("syncs") or {}
@@ -1246,7 +1241,7 @@ def table_row(run, data):
         loss = f"n/a ({match['why']})"
     else:
         loss = f"{'✓' if match['match'] else '✗'} {match['max_difference']:.1e} vs {match['reference']}"
-    return f"| {chapter} | {options} | {tokens} | {mfu} | {ceiling} | {memory} | {step} | {overhead} | {sync_text} | {loss} |"
+    return f"| {chapter} | {options} | {tokens} | {mfu} | {ceiling} | {memory} | {overhead} | {sync_text} | {loss} |"
 
 
 def check_result(run):
@@ -1288,13 +1283,14 @@ def fill_readmes(card_dir):
         checks = [line for line in body.splitlines() if re.match(rf"- {re.escape(chapter)}[ +:]", line)]
         tables = [line for line in body.splitlines() if line.startswith("| chapter |")]
         parts = [source, "\n".join(header)]
-        main_rows = [row for row in rows if row.count("|") == 11]
-        bench_rows = [row for row in rows if row.count("|") == 7]
+        # NOTE: a row belongs to the table with as many columns: the main table's or the benchmark's.
+        main_rows = [row for row in rows if row.count("|") == tables[0].count("|")]
+        bench_rows = [row for row in rows if len(tables) > 1 and row.count("|") == tables[1].count("|")]
         if main_rows:
-            parts.append("\n".join([tables[0], "|" + " --- |" * 10, *main_rows]))
+            parts.append("\n".join([tables[0], "|" + " --- |" * (tables[0].count("|") - 1), *main_rows]))
         if bench_rows:
             parts.append("\n".join(["Step-overhead benchmark (medians of fresh processes, alternated):", "",
-                                    tables[1], "|" + " --- |" * 6, *bench_rows]))
+                                    tables[1], "|" + " --- |" * (tables[1].count("|") - 1), *bench_rows]))
         if checks:
             parts.append("\n".join(checks))
         if not main_rows and not checks:

@@ -15,7 +15,7 @@ import shutil
 import pytest
 
 from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
-                     logged_parameter_count, max_difference, read_losses, read_metrics, train)
+                     logged_parameter_count, max_difference, read_losses, train)
 
 README = REPO / CHAPTERS["07"] / "README.md"
 STEPS, HALF = 6, 3
@@ -159,24 +159,6 @@ def test_a_layout_that_does_not_fit_the_world_gets_a_one_line_error(env, tmp_pat
     errors = error_lines(result.stderr)
     assert len(errors) == 2 and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
-
-
-@pytest.mark.parametrize("case", ["dp1-tp2", "dp2-tp2"])
-def test_tokens_per_second_counts_data_parallel_ranks_only(env, runs, case):
-    """The ranks of a tp group train on the same sequences: a step trains batch x seq x dp tokens, not x world.
-
-    tokens/s x the seconds of the step's timed phases gives the tokens the step counted, a little less (the time
-    outside the phases, e.g. the loss's all-reduce for logging, is in tokens/s's seconds too). Counting the tp
-    ranks as well would give twice as many.
-    """
-    nproc, dp_size, flags = layout(case)
-    _, experiment = layout_run(runs, env, case)
-    tokens_per_step = int(flags[flags.index("--batch-size") + 1]) * SEQ_LENGTH * dp_size
-    fractions = [record["tokens_per_second"] * sum(value for key, value in record.items() if key.startswith("time_"))
-                 / 1000 / tokens_per_step for record in read_metrics(experiment)]
-    print(f"\n{case} ({nproc} ranks, dp {dp_size}): tokens/s x timed seconds / {tokens_per_step} tokens per step = "
-          + ", ".join(f"{fraction:.2f}" for fraction in fractions))
-    assert 0.5 < max(fractions) <= 1.0 + 1e-9
 
 
 def test_readme_cpu_commands_are_layouts_tested_here():

@@ -96,9 +96,8 @@ LINEAGE = {
     ("04", "08"): {
         "main": "pipeline parallelism on a (pp, dp) mesh: the model cut into stages, FSDP inside each stage (its "
                 "layers kept gathered after forward with pp > 1: they run a forward for every micro-batch), one "
-                "pipeline schedule per micro-step with one timer given to the stages and the loss, the loss on the "
-                "last stage only, the gradient norm over all stages, tokens counted once per pipeline, and the "
-                "pipeline's idle time logged",
+                "pipeline schedule per micro-step, the loss on the last stage only, the gradient norm over all "
+                "stages, and tokens counted once per pipeline",
         "get_parser": "the --pp, --pp-schedule, --pp-microbatches and --pp-stages-per-rank options",
         "shard_model": "a stage's layers are a dict (the model's names), not the model's list",
         "save_checkpoint": "each rank's optimizer holds its own stages only: the saved parameter group lists the "
@@ -110,8 +109,7 @@ LINEAGE = {
         "# 6. The training loop: the pipeline": "the section of the pipeline's helpers",
         "get_loss_function": "the loss on the last stage",
         "build_pipeline_schedule": "one schedule per micro-step",
-        "FSDPPipelineStage": "the stage that reduce-scatters its gradients in every backward and times its work in "
-                             "the timer it is given",
+        "FSDPPipelineStage": "the stage that can reduce-scatter its gradients in every backward",
         "clip_grad_norm_across_stages": "the gradient norm over all stages",
     },
     ("06", "07"): {
@@ -170,7 +168,7 @@ LINEAGE = {
     ("07", "11"): {
         "main": "a (dp, pp, cp, tp) mesh and its checks, the model parallelized by parallelize(), each rank's "
                 "tokens and shifted labels, one pipeline schedule per micro-step under loss_parallel(), the loss as "
-                "each rank's share of the global mean, the gradient norm over all stages, the pipeline's idle time",
+                "each rank's share of the global mean, the gradient norm over all stages",
         "parallelize": "the composition, in torchtitan's order: the pipeline split (chapter 08), tensor parallelism, "
                        "the attention across the split (chapter 09), FSDP over dp and cp on each stage",
         "get_parser": "chapter 08's --pp options and chapter 09's --cp and --cp-load-balance (their definitions), without "
@@ -429,7 +427,8 @@ def test_the_copies_check_names_an_edited_copy_and_a_stale_name():
     assert find_copy_drift(script("09").read_text(), chapter_source, COPIES["09", "11"]) == []
 
 
-# The check itself: each edit below, made to chapter 01 alone, must be caught and named.
+# The check itself: each edit below, made to chapter 01 alone (against 02), or to the first chapter of a pair given
+# (against the second), must be caught and named.
 EDITS = {
     "code": ("cut_into_chunks", "range(0, len(stream) - seq_length + 1, seq_length)",
              "range(0, len(stream) - seq_length, seq_length)"),
@@ -437,16 +436,18 @@ EDITS = {
                 "# NOTE: a checkpoint folder is renamed when complete"),
     "decorator": ("init_weights", "@torch.no_grad()\ndef init_weights", "def init_weights"),
     "constant": ("PEAK_BF16_FLOPS", '"H200": 989e12', '"H200": 990e12'),
-    "method": ("StepTimer", "self.spans = []\n\n    @contextlib", "self.spans.clear()\n\n    @contextlib"),
+    "method": ("FSDPPipelineStage", "self.submod.set_is_last_backward(False)", "self.submod.set_is_last_backward(True)",
+               ("08", "08")),
 }
 
 
 @pytest.mark.parametrize("edit", EDITS)
 def test_the_check_names_a_definition_edited_in_one_chapter_only(edit):
-    name, old, new = EDITS[edit]
-    base_source = script("01").read_text()
+    name, old, new, *pair = EDITS[edit]
+    base, chapter = pair[0] if pair else ("01", "02")
+    base_source = script(base).read_text()
     assert base_source.count(old) == 1
-    problems = find_drift(base_source.replace(old, new), script("02").read_text(), LINEAGE["01", "02"])
+    problems = find_drift(base_source.replace(old, new), script(chapter).read_text(), LINEAGE.get((base, chapter), {}))
     assert len(problems) == 1 and problems[0].startswith(f"{name} drifted"), problems
     assert "--- base\n+++ chapter\n@@" in problems[0]
     # The diff goes from the edited base to the chapter, which still has the text the edit replaced.

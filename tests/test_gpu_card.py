@@ -79,9 +79,6 @@ def test_the_cpu_card_has_every_chapter_with_its_numbers(cpu_card):
         assert record["status"] == "ok", record
         assert record["tokens_per_second"] > 0 and record["memory_rss_gb"] > 0
         assert record["fraction_of_ceiling"] > 0
-        # NOTE: chapter 08 also logs its gradient reduction and the time its stages waited inside the schedule.
-        assert set(record["step_ms"]) == {"data", "forward", "backward", "update"} | (
-            {"reduce", "idle"} if chapter in ("08-pipeline-parallel", "11-4d-parallel") else set())
         assert record["mfu"] is None and record["syncs"]["per_step"] is None
         assert len(record["losses"]) == card["settings"]["steps"] // card["settings"]["log_freq"]
         assert (out_dir / record["log"]).exists()
@@ -201,8 +198,7 @@ def test_a_gpu_run_is_read_and_shown_with_its_gpu_figures(tmp_path):
     run_dir = tmp_path / "runs" / "04-fully-sharded-data-parallel"
     run_dir.mkdir(parents=True)
     records = [{"step": step, "loss": loss, "tokens_per_second": tokens, "mfu": mfu, "memory_allocated_gb": allocated,
-                "memory_reserved_gb": allocated + 2, "time_data_ms": 0.4, "time_forward_ms": 50.0,
-                "time_backward_ms": 100.0, "time_update_ms": 12.0}
+                "memory_reserved_gb": allocated + 2}
                for step, loss, tokens, mfu, allocated in [(5, 10.01, 20000.0, 0.17, 30.0), (10, 9.02, 48000.0, 0.4, 31.0)]]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
     syncs = {str(step): 0 for step in range(2, 12)}
@@ -225,8 +221,8 @@ def test_a_gpu_run_is_read_and_shown_with_its_gpu_figures(tmp_path):
     assert record["loss_match"]["max_difference"] == pytest.approx(0.02) and record["loss_match"]["match"]
     card.data["runs"] = [record]
     row = card_module.table_row(record, card.data)
-    assert row == ("| 04-fully-sharded-data-parallel |  | 48,000 | 40.0% | 49.9% | 31.0 / 33.0 GB | 0.4 / 50 / 100 / 12 "
-                   "|  | 2.3 | ✓ 2.0e-02 vs 01-single-gpu |")
+    assert row == ("| 04-fully-sharded-data-parallel |  | 48,000 | 40.0% | 49.9% | 31.0 / 33.0 GB |  | 2.3 "
+                   "| ✓ 2.0e-02 vs 01-single-gpu |")
     markdown = card_module.render_markdown(card.data)
     assert "- 04-fully-sharded-data-parallel: syncs at utils.py:12 (train_llm.py:140) x16" in markdown
     assert "**Ceiling**: a bfloat16 8192x8192x8192 matmul runs at 790 TFLOP/s here" in markdown

@@ -7,6 +7,9 @@ matmul, per training step, counted by tools/measure_step.py (a TorchDispatchMode
 * Under --dtype bfloat16 every matmul of a step (forward and backward, SDPA included) must take bf16 inputs: an fp32
   matmul on a GPU runs on CUDA cores at a fifteenth of the tensor cores' speed, and holds twice the bytes.
 
+* tokens/s counts each token a step trains once: not once per tensor-, context- or pipeline-parallel rank that
+  shares it (tools/measure_step.py times each step from outside).
+
 Each chapter runs 5 steps under --dtype bfloat16, logging only after step 5, in a layout that exercises its
 parallelism at the least cost.
 """
@@ -18,7 +21,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import CHAPTERS, REPO, TINY_MODEL, FakeFlashAttention, load_script, script, torchrun, train
+from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, FakeFlashAttention, load_script, read_metrics, script,
+                     torchrun, train)
 
 sys.path.insert(0, str(REPO / "tools"))
 from measure_step import make_dispatch_mode, read_measurements, StepMeter  # noqa: E402
@@ -43,6 +47,9 @@ CASES = {
     # loss_parallel() inside the schedule.
     "11 tp2 pp2": ("11", 4, ["--tp", "2", "--pp", "2"]),
 }
+# NOTE: the ranks that train on different sequences (tp, cp and pp ranks share theirs): a step trains batch x seq x
+# this many tokens, whatever the world size.
+DATA_PARALLEL = {"02 dp2 zero1": 2, "04 dp2": 2, "10 ep2": 2}
 # NOTE: the deliberate fp32 inputs of a matmul under --dtype bfloat16, with their reason: SDPA's backward takes the
 # forward's log-sum-exp, which FlashAttention keeps in fp32 (its last input), as every fused attention kernel does.
 FP32_INPUTS_ALLOWED = {"aten::_scaled_dot_product_flash_attention_for_cpu_backward": [-1]}
@@ -83,8 +90,8 @@ def test_no_host_sync_and_only_bf16_matmuls_in_a_step(env, workdir, name):
     chapter, nproc, args = CASES[name]
     out_dir = workdir / name.replace(" ", "-")
     launcher = [sys.executable] if nproc is None else torchrun(nproc)
-    train(chapter, env, workdir, *ARGS, *args, nproc=nproc, experiment=name.replace(" ", "-"),
-          launcher=[*launcher, MEASURE, "--out", out_dir], timeout=300)
+    _, experiment = train(chapter, env, workdir, *ARGS, *args, nproc=nproc, experiment=name.replace(" ", "-"),
+                          launcher=[*launcher, MEASURE, "--out", out_dir], timeout=300)
     for rank, measurement in sorted(read_measurements(out_dir).items()):
         steps = measurement["steps"]
         assert [step["step"] for step in steps] == list(range(1, STEPS + 1)), (name, rank)
@@ -97,6 +104,15 @@ def test_no_host_sync_and_only_bf16_matmuls_in_a_step(env, workdir, name):
         for step in steps:
             other = {key: calls for key, calls in step["matmuls"].items() if not_bf16(key)}
             assert step["matmuls"] and not other, f"{name} rank {rank} step {step['step']}: {other}"
+    # NOTE: tokens/s x the steps' own seconds gives the tokens the steps trained, a little less (tokens/s's seconds
+    # also hold the time between steps); counting every rank's tokens would give the world size / dp times as many.
+    (record,) = read_metrics(experiment)
+    flags = [*FAST_ARGS, *ARGS, *args]
+    value = {flag: int(flags[index + 1]) for index, flag in enumerate(flags) if flag in ("--batch-size", "--seq-length")}
+    tokens = STEPS * value["--batch-size"] * value["--seq-length"] * DATA_PARALLEL.get(name, 1)
+    fraction = record["tokens_per_second"] * sum(step["seconds"] for step in read_measurements(out_dir)[0]["steps"])
+    print(f"{name}: tokens/s x the steps' seconds / the {tokens} tokens trained = {fraction / tokens:.2f}")
+    assert 0.5 < fraction / tokens <= 1.0, fraction / tokens
 
 
 def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monkeypatch):

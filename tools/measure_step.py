@@ -24,6 +24,8 @@ Everything after the script's path goes to the script. Each rank writes OUT/rank
   an FSDP group's post_backward() (or zero_grad()), so it is sampled exactly at the start of every post_backward()
   and of the optimizer step, each gradient counted once.
 
+* "seconds": per step, the host's wall time from its first forward pass to the end of its optimizer step (on a GPU,
+  the time the host took to queue the step's work, which runs ahead of the GPU but for a step's host syncs).
 * "host_syncs": per step, {"OPERATOR at FILE:LINE": calls} for every operator that makes the host wait for the
   device: aten._local_scalar_dense (.item(), bool(tensor), `if tensor:`), aten.is_nonzero, aten.equal, aten.nonzero,
   aten.unique*, aten.masked_select, aten.repeat_interleave without output_size, copies to the CPU from another
@@ -57,6 +59,7 @@ import json
 import os
 import runpy
 import sys
+import time
 import weakref
 from collections import defaultdict
 from pathlib import Path
@@ -198,7 +201,7 @@ class StepMeter:
                 lambda: {"calls": 0, "buffer_bytes": 0, "sent_bytes": 0.0}),
                 "live_bytes_at_start": self.live_bytes, "peak_live_bytes": self.live_bytes,
                 "in_forward_backward": True, "host_syncs": defaultdict(int), "matmuls": defaultdict(int),
-                "peak_full_size_grad_bytes": 0}
+                "peak_full_size_grad_bytes": 0, "started": time.perf_counter()}
 
     def on_optimizer_step_begin(self, optimizer, args, kwargs):
         if self.optimizer_depth == 0 and self.current is not None:
@@ -221,6 +224,7 @@ class StepMeter:
                                "peak_live_bytes_above_start": step.get("peak_live_bytes_above_start", 0),
                                "host_syncs": dict(step["host_syncs"]), "matmuls": dict(step["matmuls"]),
                                "peak_full_size_grad_bytes": step["peak_full_size_grad_bytes"],
+                               "seconds": time.perf_counter() - step["started"],
                                **({"calls": step["calls"]} if "calls" in step else {})})
             self.current = None
             self.write()
