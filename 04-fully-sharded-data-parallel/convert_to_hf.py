@@ -5,7 +5,7 @@ script reads the weights (not the optimizer state) into one whole model, in a si
 save_pretrained(): config.json, model.safetensors, and the tokenizer of the model the run started from (the -m the
 checkpoint records in model_source.json).
 
-    python 04-fully-sharded-data-parallel/convert_to_hf.py outputs/quickstart
+    python 04-fully-sharded-data-parallel/convert_to_hf.py outputs/04-fully-sharded-data-parallel
     python 04-fully-sharded-data-parallel/convert_to_hf.py outputs/llama-8b-fsdp/checkpoint-00000200 \\
         -o llama-8b-trained --dtype bfloat16
 

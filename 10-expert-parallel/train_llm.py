@@ -220,7 +220,8 @@ def get_parser():
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
     group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps")
     group = parser.add_argument_group("checkpoints and logging")
-    group.add_argument("-e", "--experiment-name", default="quickstart", help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
+    group.add_argument("-e", "--experiment-name", default=Path(__file__).parent.name,
+                       help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
     group.add_argument("--save-dir", default="outputs")
     group.add_argument("--log-freq", type=int, default=10)
     group.add_argument("--ckpt-freq", type=int, default=100)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, TINY_MODEL, error_line, grad_norm_difference, load_script,
-                     max_difference, read_losses, train, with_faults)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, TINY_MODEL, error_line, grad_norm_difference,
+                     load_script, max_difference, read_losses, train, with_faults)
 
 
 
@@ -18,7 +18,7 @@ def test_quick_start_command_trains_and_the_loss_falls(quick_start):
     # The README's command exactly as written, started with the session (conftest.py's quick_start fixture).
     result = quick_start.wait(timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = read_losses(quick_start.cwd / "outputs" / "quickstart")
+    losses = read_losses(quick_start.cwd / "outputs" / CHAPTERS["01"])
     print(f"quick start: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses) * 10} steps")
     assert losses[-1] < losses[0] - 2.0
     assert "tokens/s" in result.stdout and "MFU n/a" in result.stdout

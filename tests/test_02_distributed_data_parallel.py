@@ -213,7 +213,7 @@ def test_readme_cpu_command_trains(env, tmp_path):
     # As written, but from a scratch folder (so that outputs/ lands there) and shortened to 2 steps of 64 tokens.
     result = run([*command[:-1], script("02"), "--max-steps", "2", "--seq-length", "64"],
                  {**env, "WANDB_MODE": "offline"}, tmp_path)
-    experiment = tmp_path / "outputs" / "quickstart"
+    experiment = tmp_path / "outputs" / CHAPTERS["02"]
     assert [record["step"] for record in read_metrics(experiment)] == [2]
     assert (experiment / "checkpoint-00000002" / "model.pt").exists()
     assert "rank 1 of 2" in result.stdout and "done: step 2 of 2" in result.stdout

@@ -239,6 +239,6 @@ def test_the_readme_cpu_commands_train(env, tmp_path):
     # The 2-process one as written, but from a scratch folder (so that outputs/ lands there) and shortened to
     # 2 steps of 64 tokens; the 4-process one differs only in its count, which the parity test runs.
     result = run([*cpu_commands[0][:-1], script("06"), "--max-steps", "2", "--seq-length", "64"], env, tmp_path)
-    experiment = tmp_path / "outputs" / "quickstart"
+    experiment = tmp_path / "outputs" / CHAPTERS["06"]
     assert [record["step"] for record in read_metrics(experiment)] == [2]
     assert "rank 1 of 2" in result.stdout and "done: step 2 of 2" in result.stdout

@@ -309,7 +309,7 @@ def test_the_readme_cpu_commands_train(env, tmp_path):
         (tmp_path / str(number)).mkdir()
         result = run([*command[:at], script("09"), *command[at + 1:], "--max-steps", "2"], env, tmp_path / str(number),
                      timeout=600)
-        assert [record["step"] for record in read_metrics(tmp_path / str(number) / "outputs" / "quickstart")] == [2]
+        assert [record["step"] for record in read_metrics(tmp_path / str(number) / "outputs" / CHAPTERS["09"])] == [2]
         assert f"rank {int(command[3]) - 1} of {command[3]}" in result.stdout and "done: step 2 of 2" in result.stdout
 
 

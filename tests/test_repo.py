@@ -108,6 +108,14 @@ def test_every_torch_load_names_its_device_and_loads_weights_only():
 
 
 @pytest.mark.quick
+def test_each_chapter_writes_its_own_experiment_by_default():
+    """A reader runs the chapters one after another from the repository root: with one shared default experiment,
+    chapter 02 would resume chapter 01's finished run and train nothing, and chapter 04 would fail on its checkpoint."""
+    defaults = {chapter: load_script(chapter).get_parser().get_default("experiment_name") for chapter in CHAPTERS}
+    assert defaults == CHAPTERS, defaults
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("chapter", EXISTING_CHAPTERS)
 def test_every_training_forward_builds_no_kv_cache(chapter):
     # NOTE: a Hugging Face model builds a KV cache in every forward pass unless told use_cache=False (the config's

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, TINY_MODEL, checkpoint_weights, error_line, load_script, run, train
+from helpers import CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script, run, train
 
 sys.path.insert(0, str(REPO / "tools"))
 TOOLS = REPO / "tools"
@@ -51,7 +51,8 @@ def test_plot_runs_names_a_missing_folder_in_one_line(env, tmp_path):
 @pytest.mark.parametrize("chapter, nproc", [("01", None), ("04", 2)])
 def test_generate_loads_the_latest_checkpoint_and_continues_the_prompt(env, tmp_path, chapter, nproc):
     # Chapter 01 writes model.pt, chapter 04 the DCP shards of 2 ranks: generate.py must hold the trained weights.
-    _, experiment = train(chapter, env, tmp_path, *ONE_STEP, nproc=nproc, experiment="quickstart")
+    # NOTE: in the folder the top-level README's command reads, chapter 01's default experiment.
+    _, experiment = train(chapter, env, tmp_path, *ONE_STEP, nproc=nproc, experiment=CHAPTERS["01"])
     import generate
 
     checkpoint = generate.find_checkpoint(experiment)
@@ -63,7 +64,7 @@ def test_generate_loads_the_latest_checkpoint_and_continues_the_prompt(env, tmp_
                "--temperature", "0"]
     first, second = (run(command, env, tmp_path).stdout for _ in range(2))
     assert first.startswith("ROMEO:") and len(first) > len("ROMEO:") + 5 and first == second
-    # The top-level README's command, as written, from the folder that holds outputs/quickstart.
+    # The top-level README's command, as written, from the folder that holds outputs/01-single-gpu.
     readme_command = next(line for line in (REPO / "README.md").read_text().splitlines()
                           if line.startswith("python tools/generate.py "))
     words = shlex.split(readme_command)

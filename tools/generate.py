@@ -1,6 +1,6 @@
 """Sample a continuation of a prompt from the latest checkpoint of any chapter's experiment.
 
-    python tools/generate.py outputs/quickstart --prompt "ROMEO:" --max-new-tokens 60
+    python tools/generate.py outputs/01-single-gpu --prompt "ROMEO:" --max-new-tokens 60
     python tools/generate.py outputs/llama-8b-fsdp -m meta-llama/Llama-3.1-8B --prompt "The capital of France is"
     python tools/generate.py --untrained --prompt "ROMEO:"        # the seeded weights every chapter starts from
 
@@ -37,7 +37,7 @@ def main():
     if args.max_new_tokens < 1:
         fail(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if (args.experiment_dir is None) == (not args.untrained):
-        fail("give an experiment folder (e.g. outputs/quickstart), or --untrained for the initial weights")
+        fail("give an experiment folder (e.g. outputs/01-single-gpu), or --untrained for the initial weights")
 
     import torch
 
@@ -80,7 +80,7 @@ def find_checkpoint(path):
         return path
     checkpoints = sorted(path.glob("checkpoint-*"))
     if not checkpoints:
-        fail(f"no checkpoint in {path}; train first (python 01-single-gpu/train_llm.py writes outputs/quickstart), "
+        fail(f"no checkpoint in {path}; train first (python 01-single-gpu/train_llm.py writes outputs/01-single-gpu), "
              "or pass a checkpoint-* folder")
     return checkpoints[-1]
 

@@ -2,7 +2,7 @@
 how far each run's loss is from the first one's.
 
     python tools/plot_runs.py outputs/parity-1 outputs/parity-2 -o parity.png
-    python tools/plot_runs.py outputs/quickstart --metrics loss lr -o quickstart.svg
+    python tools/plot_runs.py outputs/01-single-gpu --metrics loss lr -o loss.svg
 
 Each argument is an experiment folder (or a metrics.jsonl file). A step logged twice (a resumed run logs the steps
 since its last checkpoint again) counts with its last record, as the training scripts' own readers do. The output
@@ -65,7 +65,7 @@ def read_metrics(path):
     path = Path(path)
     metrics_file = path / "metrics.jsonl" if path.is_dir() else path
     if not metrics_file.is_file():
-        fail(f"no metrics file at {metrics_file}; give an experiment folder (e.g. outputs/quickstart) or a "
+        fail(f"no metrics file at {metrics_file}; give an experiment folder (e.g. outputs/01-single-gpu) or a "
              "metrics.jsonl file")
     records = {}
     for number, line in enumerate(metrics_file.read_text().splitlines(), 1):
