@@ -744,6 +744,10 @@ def group_parallel_runs(plan):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# NOTE: a run is not started with less of the budget left: too short to measure anything.
+MIN_SECONDS_TO_START = 15
+
+
 # Running: each run in a process session of its own, with a deadline; whatever it leaves behind is stopped
 
 
@@ -805,7 +809,7 @@ def wait_for_runs(card, pending, active, records, max_parallel, finished):
                 record.update(status="failed", error=f"the script has no {', '.join(run.missing_flags)} flag: "
                                                      "fix the card's CHAPTER_ARGS")
                 finished(record)
-            elif left is not None and left < 15:
+            elif left is not None and left < MIN_SECONDS_TO_START:
                 record.update(status="skipped", error="the time budget (--budget-s) is spent")
                 finished(record)
             else:

@@ -166,16 +166,16 @@ def test_one_failing_rank_ends_the_job_and_its_error_is_reported(env, tmp_path):
 
 
 def test_a_preparation_longer_than_the_process_group_timeout_completes(env, tmp_path):
-    # Rank 0 prepares the data for 15 s (a sleep injected before it loads the tokenized data set) while rank 1 waits
+    # Rank 0 prepares the data for 11 s (a sleep injected before it loads the tokenized data set) while rank 1 waits
     # in rank_zero_first(), under a process-group timeout of 5 s: that wait is on a gloo group with its own timeout.
-    slow_env = with_faults(env, FAULT_SLEEP_ON_CALL="datasets.load_from_disk:15", FAULT_RANK="0")
+    slow_env = with_faults(env, FAULT_SLEEP_ON_CALL="datasets.load_from_disk:11", FAULT_RANK="0")
     started = time.monotonic()
     result, experiment = train("02", slow_env, tmp_path, "--max-steps", "2", "--batch-size", "2", "--dist-timeout", "5",
                                *NO_WANDB, nproc=2, timeout=240)
     seconds = time.monotonic() - started
-    assert "injected fault: rank 0 sleeps 15s before datasets.load_from_disk" in result.stderr
+    assert "injected fault: rank 0 sleeps 11s before datasets.load_from_disk" in result.stderr
     assert [record["step"] for record in read_metrics(experiment)] == [1, 2]
-    print(f"\n--dist-timeout 5 and 15 s of preparation on rank 0: the job completed in {seconds:.0f}s")
+    print(f"\n--dist-timeout 5 and 11 s of preparation on rank 0: the job completed in {seconds:.0f}s")
 
 
 # (GPUs this process sees, its local rank) -> its device. One visible GPU is what Slurm's --gpus-per-task=1 gives each.

@@ -132,13 +132,13 @@ def test_resume_at_the_same_world_size_is_exact_and_survives_a_crash_during_a_sa
 
 
 def test_a_save_slower_than_the_dist_timeout_waits_on_the_checkpoint_group(env, tmp_path):
-    # Rank 0 starts its save 16 s late (fault injection), as a slow file system writes a terabyte checkpoint: rank 1
+    # Rank 0 starts its save 12 s late (fault injection), as a slow file system writes a terabyte checkpoint: rank 1
     # waits inside dcp.save. --dist-timeout 8 does not end the job: the save's collectives run on the checkpoint
     # group (--ckpt-timeout); with --ckpt-timeout 8 the same wait does end it.
-    slow_env = with_faults(env, FAULT_SLEEP_ON_CALL="torch.distributed.checkpoint.save:16", FAULT_RANK="0")
+    slow_env = with_faults(env, FAULT_SLEEP_ON_CALL="torch.distributed.checkpoint.save:12", FAULT_RANK="0")
     flags = ["--max-steps", "2", "--dist-timeout", "8"]
     result, experiment = train("04", slow_env, tmp_path, *flags, nproc=2, experiment="slow-save")
-    assert "injected fault: rank 0 sleeps 16s" in result.stderr
+    assert "injected fault: rank 0 sleeps 12s" in result.stderr
     assert (experiment / "checkpoint-00000002" / "train_state.pt").is_file()
     result, experiment = train("04", slow_env, tmp_path, *flags, "--ckpt-timeout", "8", nproc=2,
                                experiment="short-ckpt-timeout", check=False, timeout=120)
