@@ -37,7 +37,8 @@ MUTATIONS = {
         "04-fully-sharded-data-parallel/train_llm.py",
         "mp_policy=MixedPrecisionPolicy(param_dtype=dtype,",
         "mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32,",
-        "tests/test_gpu_properties.py::test_no_host_sync_and_only_bf16_matmuls_in_a_step[04 dp2]"),
+        "tests/test_gpu_properties.py::test_a_step_has_no_host_sync_only_bf16_matmuls_and_counts_each_token_once"
+        "[04 dp2]"),
     "05-discarded-compile": (
         "05-training-llama-405b/train_llm.py",
         "        layer.compile()\n",
@@ -64,6 +65,12 @@ MUTATIONS = {
         "        module.set_gradient_divide_factor(1.0)\n",
         "",
         "tests/test_11_4d_parallel.py::test_every_layout_matches_one_process_with_the_same_global_batch[pp2-cp2]"),
+    "07-tokens-per-tp-rank": (
+        "07-2d-parallel/train_llm.py",
+        "        tokens_since_log += samples_per_step * args.seq_length\n",
+        "        tokens_since_log += samples_per_step * args.seq_length * tp_degree\n",
+        "tests/test_gpu_properties.py::test_a_step_has_no_host_sync_only_bf16_matmuls_and_counts_each_token_once"
+        "[07 tp2 dp1]"),
 }
 
 

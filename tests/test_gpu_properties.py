@@ -86,7 +86,7 @@ def workdir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_no_host_sync_and_only_bf16_matmuls_in_a_step(env, workdir, name):
+def test_a_step_has_no_host_sync_only_bf16_matmuls_and_counts_each_token_once(env, workdir, name):
     chapter, nproc, args = CASES[name]
     out_dir = workdir / name.replace(" ", "-")
     launcher = [sys.executable] if nproc is None else torchrun(nproc)
@@ -108,8 +108,8 @@ def test_no_host_sync_and_only_bf16_matmuls_in_a_step(env, workdir, name):
     # also hold the time between steps); counting every rank's tokens would give the world size / dp times as many.
     (record,) = read_metrics(experiment)
     flags = [*FAST_ARGS, *ARGS, *args]
-    value = {flag: int(flags[index + 1]) for index, flag in enumerate(flags) if flag in ("--batch-size", "--seq-length")}
-    tokens = STEPS * value["--batch-size"] * value["--seq-length"] * DATA_PARALLEL.get(name, 1)
+    last = {flag: int(flags[index + 1]) for index, flag in enumerate(flags) if flag in ("--batch-size", "--seq-length")}
+    tokens = STEPS * last["--batch-size"] * last["--seq-length"] * DATA_PARALLEL.get(name, 1)
     fraction = record["tokens_per_second"] * sum(step["seconds"] for step in read_measurements(out_dir)[0]["steps"])
     print(f"{name}: tokens/s x the steps' seconds / the {tokens} tokens trained = {fraction / tokens:.2f}")
     assert 0.5 < fraction / tokens <= 1.0, fraction / tokens
