@@ -1,9 +1,12 @@
 """The experiments of related-topics/: two runs of chapter 01 with the same seed are bitwise equal and another seed
-differs (determinism.md)."""
+differs (determinism.md); a stopped and resumed job is one wandb run, logged by rank 0 (wandb.md)."""
+
+import re
+import sys
 
 import torch
 
-from helpers import read_metrics, train
+from helpers import read_metrics, run, train
 
 # NOTE: chapter 01's reference run of test_01's gradient accumulation test: the same arguments, made once a session.
 SAME_RUN = ["--max-steps", "6", "--wandb-mode", "disabled", "--batch-size", "4"]
@@ -32,3 +35,25 @@ def test_the_same_seed_gives_bitwise_equal_runs_and_another_seed_does_not(env, r
     assert not any(torch.equal(weights[name], final_weights(other_seed)[name])
                    for name in weights if not name.endswith("norm.weight"))
 
+
+
+def offline_runs(experiment_dir):
+    return sorted(path.name for path in (experiment_dir / "wandb").glob("offline-run-*"))
+
+
+def test_a_stopped_and_resumed_job_is_one_wandb_run_logged_by_rank_0(env, tmp_path):
+    """wandb.md's experiment, shortened: each start writes an offline run folder with the experiment's id, which
+    `wandb sync` would upload into one run; a 2-process job writes one folder, not one per rank."""
+    offline = {**env, "WANDB_MODE": "offline"}
+    tracked = ["--max-steps", "4", "--log-freq", "1", "--wandb-mode", "offline"]
+    train("01", offline, tmp_path, *tracked, "--exit-after-steps", "2", experiment="tracked")
+    _, experiment = train("01", offline, tmp_path, *tracked, experiment="tracked")
+    run_id = (experiment / "wandb_run_id.txt").read_text().strip()
+    folders = offline_runs(experiment)
+    assert len(folders) == 2 and all(folder.endswith(f"-{run_id}") for folder in folders), folders
+    assert [record["step"] for record in read_metrics(experiment)] == [1, 2, 3, 4]
+    listed = run([sys.executable, "-m", "wandb", "sync", "--dry-run", experiment / "wandb"], offline, tmp_path)
+    run_files = re.findall(r"run-(\w+)\.wandb", listed.stdout + listed.stderr)
+    assert run_files == [run_id, run_id], listed.stdout + listed.stderr
+    _, job = train("02", offline, tmp_path, *tracked, nproc=2, experiment="job")
+    assert len(offline_runs(job)) == 1
