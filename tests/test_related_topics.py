@@ -1,12 +1,14 @@
 """The experiments of related-topics/: two runs of chapter 01 with the same seed are bitwise equal and another seed
-differs (determinism.md); a stopped and resumed job is one wandb run, logged by rank 0 (wandb.md)."""
+differs (determinism.md); accumulated micro-batches train as the larger batch, unless their labels differ
+(gradient-accumulation.md); a stopped and resumed job is one wandb run, logged by rank 0 (wandb.md)."""
 
 import re
 import sys
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import read_metrics, run, train
+from helpers import TINY_MODEL, max_difference, read_losses, read_metrics, run, train
 
 # NOTE: chapter 01's reference run of test_01's gradient accumulation test: the same arguments, made once a session.
 SAME_RUN = ["--max-steps", "6", "--wandb-mode", "disabled", "--batch-size", "4"]
@@ -57,3 +59,27 @@ def test_a_stopped_and_resumed_job_is_one_wandb_run_logged_by_rank_0(env, tmp_pa
     assert run_files == [run_id, run_id], listed.stdout + listed.stderr
     _, job = train("02", offline, tmp_path, *tracked, nproc=2, experiment="job")
     assert len(offline_runs(job)) == 1
+
+
+def test_accumulated_micro_batches_are_the_larger_batch_unless_their_labels_differ(env, tmp_path):
+    """gradient-accumulation.md: 8 sequences at once and 4 micro-batches of 2 train alike; with masked labels the mean
+    of per-sequence means is not the mean over labelled tokens, which num_items_in_batch gives."""
+    steps = ["--max-steps", "6", "--wandb-mode", "disabled"]
+    _, at_once = train("01", env, tmp_path, *steps, "--batch-size", "8", experiment="batch-8")
+    _, accumulated = train("01", env, tmp_path, *steps, "--batch-size", "2", "--grad-accum", "4", experiment="accum-4")
+    assert max_difference(read_losses(at_once), read_losses(accumulated)) <= 1e-6
+    assert all(abs(a["grad_norm"] - b["grad_norm"]) <= 1e-6 * a["grad_norm"]
+               for a, b in zip(read_metrics(at_once), read_metrics(accumulated), strict=True))
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL), attn_implementation="sdpa")
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 64))
+    labels = torch.full_like(input_ids, -100)
+    labels[0, -3:], labels[1, -40:] = input_ids[0, -3:], input_ids[1, -40:]  # NOTE: 3 and 40 answer tokens
+    with torch.no_grad():
+        means = [model(input_ids=input_ids[i:i + 1], labels=labels[i:i + 1]).loss for i in range(2)]
+        over_tokens = model(input_ids=input_ids, labels=labels).loss
+        summed = [model(input_ids=input_ids[i:i + 1], labels=labels[i:i + 1], num_items_in_batch=torch.tensor(43)).loss
+                  for i in range(2)]
+    assert abs((means[0] + means[1]) / 2 - over_tokens) > 1e-3
+    assert torch.allclose(summed[0] + summed[1], over_tokens, atol=1e-6)
