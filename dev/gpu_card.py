@@ -380,6 +380,8 @@ def probe(settings):
     environment["ceiling"] = measure_matmul_ceiling(torch, environment["cuda"] and settings["mode"] == "gpu")
 
     config = AutoConfig.from_pretrained(settings["model"])
+    if environment["cuda"] and settings["mode"] == "gpu":
+        environment["fp32_gqa_attention"] = fp32_gqa_attention_kernel(torch, config, settings["seq_length"])
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
     environment["model"] = {
@@ -391,6 +393,26 @@ def probe(settings):
     write_seeded_weights(settings, config, torch, AutoModelForCausalLM, environment["cuda"] and settings["mode"] == "gpu")
     environment["pretrained_dir"] = settings["pretrained_dir"]
     return environment
+
+
+def fp32_gqa_attention_kernel(torch, config, seq_length, device="cuda", backend="EFFICIENT_ATTENTION"):
+    """Whether --dtype float32 attention with the model's grouped-query heads runs a fused SDPA kernel (the
+    memory-efficient one, as the chapters call it: is_causal, enable_gqa) or only the math kernel, which holds
+    every head's seq_length x seq_length fp32 scores for the backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    query = torch.randn(1, heads, seq_length, head_dim, device=device, requires_grad=True)
+    key, value = (torch.randn(1, kv_heads, seq_length, head_dim, device=device, requires_grad=True) for _ in "kv")
+    try:
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            output = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True,
+                                                                      enable_gqa=kv_heads != heads)
+            output.sum().backward()
+        return {"fused": True, "heads": heads, "kv_heads": kv_heads}
+    except RuntimeError as error:
+        return {"fused": False, "heads": heads, "kv_heads": kv_heads, "error": str(error).splitlines()[0][:200]}
 
 
 def nvidia_smi_driver():
@@ -1208,6 +1230,12 @@ def header_lines(data):
         lines.append(f"**Ceiling**: a {ceiling['dtype']} {size}x{size}x{size} matmul runs at "
                      f"{ceiling['tflops']:.3g} TFLOP/s here; \"of ceiling\" is each run's model FLOP/s per process "
                      f"over that.")
+    if environment.get("fp32_gqa_attention"):
+        kernel = environment["fp32_gqa_attention"]
+        verdict = "runs SDPA's memory-efficient kernel" if kernel["fused"] else \
+            f"has only SDPA's math kernel ({kernel['error']})"
+        lines.append(f"**fp32 attention**: `--dtype float32` with {kernel['heads']} query and {kernel['kv_heads']} "
+                     f"key/value heads {verdict}.")
     return lines
 
 

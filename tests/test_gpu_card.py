@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoConfig
 
 from helpers import REPO, in_background, load_script, run
 
@@ -193,6 +195,8 @@ def test_a_gpu_run_is_read_and_shown_with_its_gpu_figures(tmp_path):
                               seq_length=2048, batch_size=4, steps=10, log_freq=5)
     card = card_module.Card(tmp_path, args)
     card.data["environment"] = {"model": {"parameters": 1_235_814_400, "layers": 16, "flops_per_token": 8.22e9},
+                                "fp32_gqa_attention": {"fused": False, "heads": 32, "kv_heads": 8,
+                                                       "error": "No viable backend"},
                                 "ceiling": {"size": 8192, "dtype": "bfloat16", "tflops": 790.0}, "packages": {}}
     card.data["settings"]["nproc"] = 1
     card.data["chapter_args"] = {"04-fully-sharded-data-parallel": []}
@@ -228,6 +232,20 @@ def test_a_gpu_run_is_read_and_shown_with_its_gpu_figures(tmp_path):
     markdown = card_module.render_markdown(card.data)
     assert "- 04-fully-sharded-data-parallel: syncs at utils.py:12 (train_llm.py:140) x16" in markdown
     assert "**Ceiling**: a bfloat16 8192x8192x8192 matmul runs at 790 TFLOP/s here" in markdown
+    assert ("**fp32 attention**: `--dtype float32` with 32 query and 8 key/value heads has only SDPA's math kernel "
+            "(No viable backend)." in markdown)
+
+
+def test_the_fp32_attention_probe_names_the_kernel_that_runs_grouped_query_heads():
+    """The probe's check, on the CPU: its memory-efficient kernel does not exist there (the math kernel's case, named
+    by its error), its flash kernel takes fp32 with grouped-query heads (the fused case)."""
+    card_module = load_card_module()
+    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    missing = card_module.fp32_gqa_attention_kernel(torch, config, 64, device="cpu")
+    assert missing["fused"] is False and "No viable backend" in missing["error"]
+    assert (missing["heads"], missing["kv_heads"]) == (config.num_attention_heads, config.num_key_value_heads)
+    fused = card_module.fp32_gqa_attention_kernel(torch, config, 64, device="cpu", backend="FLASH_ATTENTION")
+    assert fused == {"fused": True, "heads": config.num_attention_heads, "kv_heads": config.num_key_value_heads}
 
 
 def test_the_sync_audit_counts_syncs_outside_logging_steps_and_the_stop_hook_ends_the_process(env, tmp_path):
