@@ -520,7 +520,7 @@ def test_the_render_check_finds_what_breaks_rendering():
 def test_a_run_that_times_out_reports_the_stacks_of_its_processes(env, tmp_path):
     (tmp_path / "hangs.py").write_text("import time\n\n\ndef waits_forever():\n    time.sleep(600)\n\n\nwaits_forever()\n")
     with pytest.raises(AssertionError) as failure:
-        run([sys.executable, tmp_path / "hangs.py"], env, tmp_path, timeout=10)
+        run([sys.executable, tmp_path / "hangs.py"], env, tmp_path, timeout=4)
     assert re.search(r"waits_forever \(\S*hangs.py:5\)", str(failure.value)), str(failure.value)[-3000:]
 
 
