@@ -1,9 +1,11 @@
 """The experiments of related-topics/: two runs of chapter 01 with the same seed are bitwise equal and another seed
 differs (determinism.md); accumulated micro-batches train as the larger batch, unless their labels differ
-(gradient-accumulation.md); a stopped and resumed job is one wandb run, logged by rank 0 (wandb.md)."""
+(gradient-accumulation.md); the corpus is tokenized once, by rank 0, and the workers keep the order
+(data-loading.md); a stopped and resumed job is one wandb run, logged by rank 0 (wandb.md)."""
 
 import re
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -83,3 +85,23 @@ def test_accumulated_micro_batches_are_the_larger_batch_unless_their_labels_diff
                   for i in range(2)]
     assert abs((means[0] + means[1]) / 2 - over_tokens) > 1e-3
     assert torch.allclose(summed[0] + summed[1], over_tokens, atol=1e-6)
+
+
+def test_the_corpus_is_tokenized_once_by_rank_0_and_the_workers_keep_the_order(env, tmp_path):
+    """data-loading.md: a run that finds no cache tokenizes, the next reads it; another --seq-length gets its own
+    folder; --num-workers 0 and 2 train alike; in a 2-rank job only rank 0 tokenizes.
+
+    NOTE: sequence lengths no other test uses, in the session's cache: a fresh HF_HOME would start every process cold.
+    """
+    cache = Path(env["HF_HOME"]) / "datasets" / "train_llm"
+    folders = set(cache.iterdir()) if cache.exists() else set()
+    steps = ["--max-steps", "3", "--wandb-mode", "disabled", "--seq-length", "44"]
+    first, no_workers = train("01", env, tmp_path, *steps, "--num-workers", "0", experiment="workers-0")
+    again, two_workers = train("01", env, tmp_path, *steps, "--num-workers", "2", experiment="workers-2")
+    assert "INFO tokenizing" in first.stdout and "INFO tokenizing" not in again.stdout
+    assert curve(no_workers) == curve(two_workers)
+    assert len(set(cache.iterdir()) - folders) == 1
+    train("01", env, tmp_path, *steps, "--seq-length", "40", experiment="shorter")
+    assert len(set(cache.iterdir()) - folders) == 2
+    job, _ = train("02", env, tmp_path, *steps, "--seq-length", "52", nproc=2, experiment="job")
+    assert re.findall(r"\[rank (\d)\] INFO tokenizing", job.stdout) == ["0"]
