@@ -1,7 +1,8 @@
 """The experiments of related-topics/: two runs of chapter 01 with the same seed are bitwise equal and another seed
 differs (determinism.md); accumulated micro-batches train as the larger batch, unless their labels differ
 (gradient-accumulation.md); the corpus is tokenized once, by rank 0, and the workers keep the order
-(data-loading.md); a stopped and resumed job is one wandb run, logged by rank 0 (wandb.md)."""
+(data-loading.md); pure bf16 weights lose the updates fp32 master weights keep (mixed-precision.md); a stopped and
+resumed job is one wandb run, logged by rank 0 (wandb.md)."""
 
 import re
 import sys
@@ -105,3 +106,31 @@ def test_the_corpus_is_tokenized_once_by_rank_0_and_the_workers_keep_the_order(e
     assert len(set(cache.iterdir()) - folders) == 2
     job, _ = train("02", env, tmp_path, *steps, "--seq-length", "52", nproc=2, experiment="job")
     assert re.findall(r"\[rank (\d)\] INFO tokenizing", job.stdout) == ["0"]
+
+
+def test_pure_bf16_weights_lose_the_updates_that_fp32_master_weights_keep():
+    """mixed-precision.md: one batch memorized for 20 steps in fp32, with autocast (fp32 weights) and in pure bf16."""
+    config = AutoConfig.from_pretrained(TINY_MODEL)
+    batch = torch.randint(0, config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for mode in ["fp32", "autocast", "pure bf16"]:
+        torch.manual_seed(1)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        if mode == "pure bf16":
+            model = model.to(torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+        norms = {name: param.detach().clone() for name, param in model.named_parameters()
+                 if name.endswith("norm.weight")}
+        for _ in range(20):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        parameters = dict(model.named_parameters())
+        unchanged = sum((parameters[name].detach() == start).sum().item() for name, start in norms.items())
+        results[mode] = (loss.item(), unchanged / sum(start.numel() for start in norms.values()))
+        print(f"\n{mode}: final loss {results[mode][0]:.3f}, norm scales unchanged {results[mode][1]:.0%}", end="")
+    # NOTE: an update of ~1e-3 is below half of bf16's spacing at 1.0 (2^-8 below, 2^-7 above): rounded away
+    assert results["pure bf16"][1] == 1.0 and results["fp32"][1] == results["autocast"][1] == 0.0
+    assert results["pure bf16"][0] > results["fp32"][0] and abs(results["autocast"][0] - results["fp32"][0]) < 0.05
