@@ -3,10 +3,11 @@ micro-batches against the bubble formula, the activations each stage holds at it
 each schedule drawn from the measured events.
 
 The chapter logs only its tokens/s. This tool records the rest from outside, with no measuring code in the chapter:
-with --record (under torchrun) it loads the chapter's script and patches its pipeline stage, schedule, loss, gradient
-clipping, memory read-out and metrics log to time each micro-batch's forward, loss and backward on every stage and
-count the activations with saved-tensor hooks (PipelineRecorder); rank 0 writes every rank's figures to pipeline.jsonl, beside metrics.jsonl,
-on each logging step. Without --record it runs itself that way for each schedule and m, and reads those files.
+with --record (under torchrun) it loads the chapter's script and patches its pipeline stage, schedule, loss,
+gradient clipping, memory read-out and metrics log to time each micro-batch's forward, loss and backward on every
+stage and count the activations with saved-tensor hooks (PipelineRecorder); rank 0 writes every rank's figures to
+pipeline.jsonl, beside metrics.jsonl, on each logging step. Without --record it runs itself that way for each
+schedule and m, and reads those files.
 
     python 08-pipeline-parallel/measure_pipeline.py                  # the table for the README, and the picture
     python 08-pipeline-parallel/measure_pipeline.py --microbatches 4 --schedules 1f1b
@@ -20,6 +21,7 @@ and a stage that waits for a CPU core looks busy, not idle.
 import argparse
 import contextlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -194,12 +196,13 @@ def record(script, script_args):
             with recorder.computation("reduce", self.stage_index, None):
                 return super().perform_reduce_grad(grad_scale_factor)
 
-    def recorded_schedule(*args):
-        schedule, has_first_stage, has_last_stage = build_pipeline_schedule(*args)
+    def recorded_schedule(*args, **kwargs):
+        schedule, has_first_stage, has_last_stage = build_pipeline_schedule(*args, **kwargs)
+        device = inspect.signature(build_pipeline_schedule).bind(*args, **kwargs).arguments["device"]
         step = schedule.step
 
         def recorded_step(*step_args, **step_kwargs):
-            with recorder.pipeline(args[-2]):  # NOTE: the chapter's device, the schedule's last argument but one
+            with recorder.pipeline(device):
                 return step(*step_args, **step_kwargs)
 
         schedule.step = recorded_step

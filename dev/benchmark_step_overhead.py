@@ -1,6 +1,6 @@
 """How much slower is a chapter's training step than a bare forward/backward/optimizer loop?
 
-The chapter's step adds data loading, timers, the LR schedule, gradient clipping and logging around the same
+The chapter's step adds data loading, the LR schedule, gradient clipping and logging around the same
 model, batch and optimizer. This tool times both, each in a fresh process, alternately (bare, chapter, bare, chapter,
 ...) --repeats times, and prints the median step times, their ratio and the overhead; the target is 5%.
 

@@ -1,7 +1,7 @@
 """Break the chapters on purpose and check that the test suite notices: each mutation is a bug that once was, or
 easily could be, in a chapter; each must make its catching test fail.
 
-    python dev/check_mutations.py            every mutation, one after the other (about 10 minutes on 2 cores)
+    python dev/check_mutations.py            every mutation, one after the other (about 2 minutes on 2 cores)
     python dev/check_mutations.py --list     the mutations and the tests that must catch them
     python dev/check_mutations.py 04-fsdp-sum
 

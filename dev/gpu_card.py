@@ -766,11 +766,10 @@ def group_parallel_runs(plan):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Running: each run in a process session of its own, with a deadline; whatever it leaves behind is stopped
+
 # NOTE: a run is not started with less of the budget left: too short to measure anything.
 MIN_SECONDS_TO_START = 15
-
-
-# Running: each run in a process session of its own, with a deadline; whatever it leaves behind is stopped
 
 
 def run_group(card, group):

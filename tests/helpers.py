@@ -230,6 +230,17 @@ def with_faults(env, **variables):
     return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(FAULTS)])), **variables}
 
 
+def readme_experiment(command, chapter):
+    """The experiment a README command trains: its -e, else the chapter's default, its folder name."""
+    return command[command.index("-e") + 1] if "-e" in command else CHAPTERS[chapter]
+
+
+def without_experiment(command):
+    """A README command without its -e NAME: the experiment is no part of the layout."""
+    at = command.index("-e") if "-e" in command else len(command)
+    return command[:at] + command[at + 2:]
+
+
 def error_lines(stderr):
     """The one-line `error: ...` messages in stderr, one per rank that printed one. CPython writes a SystemExit's
     message and its newline in two writes, so two ranks' lines on the job's shared stderr can come out as one."""

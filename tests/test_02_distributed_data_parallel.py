@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_seconds, grad_norm_difference,
-                     largest_weight_difference, load_script, max_difference, read_losses, read_metrics, run, script,
-                     torchrun, train, train_with_a_restart, with_faults)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_seconds, error_lines,
+                     grad_norm_difference, largest_weight_difference, load_script, max_difference, read_losses,
+                     read_metrics, run, script, torchrun, train, train_with_a_restart, with_faults)
 from helpers import quick_cases
 
 README = REPO / CHAPTERS["02"] / "README.md"

@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, checkpoint_weights, error_line,
-                     grad_norm_difference, load_script, logged_parameter_count, max_difference, memory_held, read_losses,
-                     read_metrics, run, train, with_faults)
+                     grad_norm_difference, load_script, logged_parameter_count, max_difference, memory_held,
+                     read_losses, read_metrics, run, train, with_faults)
 
 CONVERT = REPO / "04-fully-sharded-data-parallel" / "convert_to_hf.py"
 TEN_STEPS = ["--max-steps", "10", "--wandb-mode", "disabled"]

@@ -23,9 +23,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers import (CHAPTERS, COUNTING_RUN, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL,
-                     FakeFlashAttention,
-                     checkpoint_weights, counted, error_line, grad_norm_difference, load_script, logged_parameter_count,
-                     max_difference, read_losses, read_metrics, run, script, torchrun, train)
+                     checkpoint_weights, counted, error_line, FakeFlashAttention, grad_norm_difference, load_script,
+                     logged_parameter_count, max_difference, read_losses, read_metrics, run, script, torchrun, train)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"

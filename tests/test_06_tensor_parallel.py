@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
-                     logged_parameter_count, max_difference, read_losses, read_metrics, run, script, torchrun, train,
-                     train_with_a_restart)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, error_lines,
+                     grad_norm_difference, logged_parameter_count, max_difference, read_losses, read_metrics,
+                     readme_experiment, run, script, torchrun, train, train_with_a_restart, without_experiment)
 
 README = REPO / CHAPTERS["06"] / "README.md"
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
@@ -234,8 +234,11 @@ def test_a_degree_that_does_not_divide_the_model_gets_a_one_line_error(env, tmp_
 def test_the_readme_cpu_commands_train(env, tmp_path):
     commands = [shlex.split(line.strip()) for line in README.read_text().splitlines()
                 if line.strip().startswith("torchrun --standalone --nproc-per-node ")]
-    cpu_commands = [command for command in commands if command[-1] == f"{CHAPTERS['06']}/train_llm.py"]
+    cpu_commands = [command for command in commands
+                    if without_experiment(command)[-1] == f"{CHAPTERS['06']}/train_llm.py"]
     assert [command[3] for command in cpu_commands] == ["2", "4"]
+    # NOTE: each its own experiment: the second would resume the first's finished run and train nothing
+    assert len({readme_experiment(command, "06") for command in cpu_commands}) == 2
     # The 2-process one as written, but from a scratch folder (so that outputs/ lands there) and shortened to
     # 2 steps of 64 tokens; the 4-process one differs only in its count, which the parity test runs.
     result = run([*cpu_commands[0][:-1], script("06"), "--max-steps", "2", "--seq-length", "64"], env, tmp_path)

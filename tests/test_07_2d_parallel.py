@@ -14,8 +14,9 @@ import shutil
 
 import pytest
 
-from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
-                     logged_parameter_count, max_difference, read_losses, train)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, error_lines,
+                     grad_norm_difference, logged_parameter_count, max_difference, read_losses, readme_experiment,
+                     train, without_experiment)
 
 README = REPO / CHAPTERS["07"] / "README.md"
 STEPS, HALF = 6, 3
@@ -169,5 +170,8 @@ def test_readme_cpu_commands_are_layouts_tested_here():
     tested = [["torchrun", "--standalone", "--nproc-per-node", str(layout(case)[0]), f"{CHAPTERS['07']}/train_llm.py",
                *LAYOUTS[case][0]] for case in LAYOUTS]
     assert commands, f"no 'torchrun --standalone ...' command in {README}"
-    assert all(command in tested for command in commands), commands
-    assert tested[0] in commands and tested[-1] in commands, "the README shows dp 2 x tp 2 and hybrid sharding"
+    assert all(without_experiment(command) in tested for command in commands), commands
+    # NOTE: each its own experiment: a later one would resume an earlier one's finished run and train nothing
+    assert len({readme_experiment(command, "07") for command in commands}) == len(commands)
+    layouts = [without_experiment(command) for command in commands]
+    assert tested[0] in layouts and tested[-1] in layouts, "the README shows dp 2 x tp 2 and hybrid sharding"

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from helpers import (CHAPTERS, error_lines, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
-                     max_difference, read_losses, read_metrics, run, torchrun, train, with_faults)
+from helpers import (CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, error_lines, load_script,
+                     max_difference, read_losses, read_metrics, readme_experiment, run, torchrun, train, with_faults,
+                     without_experiment)
 from helpers import quick_cases
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -407,9 +408,11 @@ def test_the_readme_cpu_commands_are_layouts_tested_here():
         recorded = command[4:6] == [f"{CHAPTERS['08']}/measure_pipeline.py", "--record"]
         flags = command[7:] if recorded else command[5:]
         assert command[6 if recorded else 4] == f"{CHAPTERS['08']}/train_llm.py", command
-        assert layout_of(command[3], flags) in tested, command
-        layouts.add(layout_of(command[3], flags))
+        assert layout_of(command[3], without_experiment(flags)) in tested, command
+        layouts.add(layout_of(command[3], without_experiment(flags)))
     assert layouts == tested
+    # NOTE: each its own experiment: a later one would resume an earlier one's finished run and train nothing
+    assert len({readme_experiment(command, "08") for command in commands}) == len(commands)
 
 
 def test_an_empty_data_file_stops_every_rank_with_the_one_line(env, tmp_path):

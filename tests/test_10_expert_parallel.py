@@ -18,8 +18,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
-from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, grad_norm_difference,
-                     load_script, max_difference, read_losses, read_metrics, run, script, torchrun, train)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, error_lines, grad_norm_difference,
+                     load_script, max_difference, read_losses, read_metrics, readme_experiment, run, script, torchrun,
+                     train)
 from helpers import quick_cases
 from test_drift import LINEAGE, top_level_definitions
 
@@ -295,14 +296,16 @@ def test_the_readme_cpu_commands_train(env, tmp_path):
                 and f"{CHAPTERS['10']}/train_llm.py" in line]
     cpu_commands = [command for command in commands if "-m" not in command]
     assert cpu_commands, "the README shows no CPU command"
-    # Each as written, from a scratch folder of its own (they share an experiment name), shortened to 2 steps of 64
+    # NOTE: each its own experiment: a later one would resume an earlier one's finished run and train nothing
+    assert len({readme_experiment(command, "10") for command in cpu_commands}) == len(cpu_commands)
+    # Each as written, from a scratch folder of its own, shortened to 2 steps of 64
     # tokens.
     for number, command in enumerate(cpu_commands):
         at = command.index(f"{CHAPTERS['10']}/train_llm.py")
         (tmp_path / str(number)).mkdir()
         result = run([*command[:at], script("10"), *command[at + 1:], "--max-steps", "2", "--seq-length", "64"], env,
                      tmp_path / str(number), timeout=600)
-        assert [record["step"] for record in read_metrics(tmp_path / str(number) / "outputs" / CHAPTERS["10"])] == [2]
+        assert [record["step"] for record in read_metrics(tmp_path / str(number) / "outputs" / readme_experiment(command, "10"))] == [2]
         assert f"rank {int(command[3]) - 1} of {command[3]}" in result.stdout and "done: step 2 of 2" in result.stdout
 
 

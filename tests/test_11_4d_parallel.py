@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 
-from helpers import (CHAPTERS, error_lines, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, grad_norm_difference,
-                     max_difference, read_losses, train)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, error_lines,
+                     grad_norm_difference, max_difference, read_losses, readme_experiment, train, without_experiment)
 from helpers import quick_cases
 
 README = REPO / CHAPTERS["11"] / "README.md"
@@ -165,4 +165,6 @@ def test_readme_cpu_commands_are_layouts_tested_here():
     tested = [["torchrun", "--standalone", "--nproc-per-node", str(layout(case)[0]), f"{CHAPTERS['11']}/train_llm.py",
                *LAYOUTS[case][0]] for case in LAYOUTS]
     assert commands, f"no 'torchrun --standalone ...' command in {README}"
-    assert all(command in tested for command in commands), commands
+    assert all(without_experiment(command) in tested for command in commands), commands
+    # NOTE: each its own experiment: a later one would resume an earlier one's finished run and train nothing
+    assert len({readme_experiment(command, "11") for command in commands}) == len(commands)

@@ -444,8 +444,9 @@ def test_the_warm_start_server_outlives_clients_killed_at_any_point(env, tmp_pat
             client.connect(env["WARM_START_SOCKET"])
             socket.send_fds(client, [message], [0, 1, 2])
             if message.endswith(b"}\n") and b"signal" in message:
-                assert json.loads(client.makefile().readline())["pid"] > 0
-                assert json.loads(client.makefile().readline()) == {"signal": signal.SIGTERM}
+                reader = client.makefile()
+                assert json.loads(reader.readline())["pid"] > 0
+                assert json.loads(reader.readline()) == {"signal": signal.SIGTERM}
     new = [pid for pid in warm_served(env) if pid not in served_before]
     assert len(new) == 2
     deadline = time.monotonic() + 30

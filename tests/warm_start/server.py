@@ -118,15 +118,18 @@ def main():
 def receive_request(connection):
     """The request, its file descriptors and what came after it (the first signals the client relays)."""
     data, fds, _, _ = socket.recv_fds(connection, 1 << 20, 3)
-    while b"\n" not in data:
-        more = connection.recv(1 << 20)
-        if not more:
-            for fd in fds:
-                os.close(fd)
-            raise ConnectionError("the client closed its connection mid-request")
-        data += more
-    request, after = data.split(b"\n", 1)
-    return json.loads(request), fds, after
+    try:
+        while b"\n" not in data:
+            more = connection.recv(1 << 20)
+            if not more:
+                raise ConnectionError("the client closed its connection mid-request")
+            data += more
+        request, after = data.split(b"\n", 1)
+        return json.loads(request), fds, after
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def relay_signals(connection, connections, pid, data):
@@ -135,8 +138,8 @@ def relay_signals(connection, connections, pid, data):
     for line in lines:
         try:
             os.kill(pid, json.loads(line)["signal"])
-        except ProcessLookupError:
-            pass
+        except (ProcessLookupError, ValueError, KeyError, TypeError):
+            pass  # NOTE: the child is gone, or a line that is no signal: the server carries on
 
 
 def answer(connection, message):

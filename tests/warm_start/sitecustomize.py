@@ -66,27 +66,38 @@ def run_warm(socket_path, request):
     except OSError:
         return  # NOTE: no server (the session is over): run here
     # NOTE: caught from before the request is sent and relayed after it, so no signal is lost to the race.
-    caught, sent = [], []
+    caught, seen, sent = [], [], []
 
     def forward(number, _frame):
         caught.append(number)
+        seen.append(number)
         if sent:
             while caught:
                 connection.sendall(json.dumps({"signal": caught.pop(0)}).encode() + b"\n")
 
-    relayed = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-    handlers = {number: signal.signal(number, forward) for number in relayed}
-    socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-    sent.append(True)
-    while caught:
-        connection.sendall(json.dumps({"signal": caught.pop(0)}).encode() + b"\n")
-    # NOTE: from here on the command runs in the server's child, unless the server could not fork and says so.
-    try:
-        relay(connection, json, signal)
-    except ColdStart:
+    def run_here():
+        """Run the command in this process after all: its own handlers back, and the signals it got delivered."""
         connection.close()
         for number, handler in handlers.items():
             signal.signal(number, handler)
+        for number in seen:
+            os.kill(os.getpid(), number)
+
+    relayed = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+    handlers = {number: signal.signal(number, forward) for number in relayed}
+    try:
+        socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    except OSError:  # NOTE: the server went away after the connect: it got no whole request, so nothing ran there
+        run_here()
+        return
+    # NOTE: from here on the command runs in the server's child, unless the server could not fork and says so.
+    try:
+        sent.append(True)
+        while caught:
+            connection.sendall(json.dumps({"signal": caught.pop(0)}).encode() + b"\n")
+        relay(connection, json, signal)
+    except ColdStart:
+        run_here()
         return
     except BaseException as error:
         print(f"warm start: lost the server's child ({error!r})", file=sys.stderr, flush=True)
