@@ -23,7 +23,7 @@ def table(times):
         lines.append(f"| `{Path(name).name}` | {seconds:,.0f} | {seconds / tests_total:.0%} |")
     lines += [f"| **pytest, in all** | **{times['total_s']:,.0f}** | |", "",
               f"{times['tests']} tests on {times['machine']}, warm start {'on' if times['warm_start'] else 'off'}; "
-              f"the budget is {times['budget_s']:,} s (conftest.py's `SUITE_BUDGET_S`). The slowest tests:", ""]
+              f"that run's budget was {times['budget_s']:,} s (conftest.py's `SUITE_BUDGET_S`). The slowest tests:", ""]
     lines += [f"* {seconds:,.0f} s `{nodeid.replace('tests/', '', 1)}`" for nodeid, seconds in times["slowest"][:8]]
     return "\n".join([*lines, "", END])
 
