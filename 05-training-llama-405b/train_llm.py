@@ -1,5 +1,6 @@
 """Chapter 05: chapter 04's FSDP fine-tunes a pretrained 405B model: each rank loads its slices of the weights;
-activation checkpointing, compiled layers, explicit prefetching; eager, SDPA or flash attention.
+chat or instruction data trained on its answers only, packed without cross-talk, the loss per token of the global
+batch, a held-out eval loss; activation checkpointing, compiled layers, explicit prefetching; eager, SDPA or flash.
 
     torchrun --standalone --nproc-per-node 2 05-training-llama-405b/train_llm.py    # no GPU
     05-training-llama-405b/launch.sh my-hosts -m /shared/models/Llama-3.1-405B -d /shared/data/alpaca -e llama-405b \\
@@ -36,7 +37,7 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
@@ -106,13 +107,16 @@ def main():
     reset_rotary_embeddings(model, device)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 
-    # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
+    # 2. The data: examples labelled on their answers only, packed into rows of --seq-length, cached on disk.
     with rank_zero_first():
-        dataset = load_and_tokenize_dataset(args, tokenizer)
+        dataset, eval_dataset, data_summary = load_and_tokenize_dataset(args, tokenizer)
     samples_per_step = args.batch_size * args.grad_accum * world_size
     steps_per_epoch = len(dataset) // samples_per_step
     require(steps_per_epoch > 0, f"{len(dataset)} sequences are fewer than one step's {samples_per_step}; use more "
             "data or a smaller --batch-size, --grad-accum or --seq-length")
+    require(eval_dataset is None or len(eval_dataset) >= world_size, f"{len(eval_dataset or [])} eval sequences for "
+            f"{world_size} ranks; raise --eval-fraction, or pass --eval-fraction 0")
+    LOGGER.info(f"data: {data_summary}")
     LOGGER.info(f"data: {len(dataset)} sequences of {args.seq_length} tokens, {steps_per_epoch} steps per epoch")
 
     # 3. The optimizer and the learning rate schedule.
@@ -151,14 +155,16 @@ def main():
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
-        for _ in range(args.grad_accum):
-            input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
-            attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)
+        step_inputs = [get_model_inputs(next(micro_batches), args.attn_implementation, dtype, device)
+                       for _ in range(args.grad_accum)]
+        # NOTE: each micro-batch's summed token losses over the global batch's label tokens, counted first (one
+        # all-reduce): a mean of micro-batch means would weigh a token of a short answer more than one of a long one.
+        num_label_tokens = count_label_tokens(step_inputs)
+        for inputs in step_inputs:
             # NOTE: no autocast: FSDP casts the gathered weights to bf16. No no_sync(): it would keep whole gradients
             # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
             # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
-            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False,
-                         **attention_kwargs).loss / args.grad_accum
+            loss = model(**inputs, num_items_in_batch=num_label_tokens, use_cache=False).loss
             loss.backward()
             # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
             step_loss += loss.detach()
@@ -174,9 +180,8 @@ def main():
         progress_bar.update()
 
         if step % args.log_freq == 0 or step == last_step:
-            # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG).
+            # NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-            step_loss /= world_size
             # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
@@ -185,7 +190,9 @@ def main():
                 "step": step, "epoch": train_state["epoch"], "loss": loss_value, "lr": lr_scheduler.get_last_lr()[0],
                 "grad_norm": grad_norm.item(), "tokens_per_second": tokens_per_second,
                 "mfu": tokens_per_second * flops_per_token / (peak_flops * world_size) if peak_flops else None,
-                **read_and_reset_memory_stats(device)}
+                "label_tokens": int(num_label_tokens.item()), **read_and_reset_memory_stats(device)}
+            if eval_dataset is not None and (step % args.eval_freq == 0 or step == max_steps):
+                record.update(evaluate(model, eval_dataset, args, dtype, device, rank, world_size))
             if rank == 0:
                 log_metrics(metrics_file, record)
         if step % args.ckpt_freq == 0 or step == last_step:
@@ -209,10 +216,15 @@ def get_parser():
     group = parser.add_argument_group("model and data")
     group.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                        help="hub name, or folder with config.json, the tokenizer and any *.safetensors")
-    group.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
+    group.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-chat"),
                        help="hub name, or a folder or file (.jsonl .json .csv .txt .parquet)")
     group.add_argument("--dataset-subset", help="the configuration, if it has several")
-    group.add_argument("--text-column", default="text")
+    group.add_argument("--dataset-split", default="train", help="the split to train on")
+    group.add_argument("--text-column", default="text", help="the column of plain text (data without answers)")
+    group.add_argument("--eval-split", help="a split to evaluate on (default: --eval-fraction of --dataset-split)")
+    group.add_argument("--eval-fraction", type=float, default=0.05, help="examples held out to evaluate on")
+    group.add_argument("--eval-freq", type=int, default=50, help="steps between evaluations (a multiple of "
+                       "--log-freq)")
     group.add_argument("--seq-length", type=int, default=256)
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
@@ -251,10 +263,13 @@ def get_parser():
 def parse_args():
     args = get_parser().parse_args()
     for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
-                 "ckpt_freq", "dist_timeout", "ckpt_timeout"]:
+                 "ckpt_freq", "dist_timeout", "ckpt_timeout", "eval_freq"]:
         value = getattr(args, name)
         require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
     require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
+    require(0 <= args.eval_fraction < 1, f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    require(args.eval_freq % args.log_freq == 0, f"--eval-freq {args.eval_freq} must be a multiple of --log-freq "
+            f"{args.log_freq}: an evaluation waits for the GPU, as a logging step does")
     return args
 
 
@@ -387,14 +402,52 @@ def attention_implementation(config, seq_length, attn_implementation):
     return "causal_sdpa"
 
 
-def get_attention_kwargs(attn_implementation, input_ids):
+def get_attention_kwargs(attn_implementation, input_ids, position_ids=None):
     # NOTE: at batch size 1, flash attention checks position_ids for packed sequences on the host in every layer;
     # given the sequences' bounds (seq_length tokens each), it calls flash_attn_varlen_func, with no check.
     if attn_implementation != "flash_attention_2":
         return {}
     batch_size, seq_length = input_ids.shape
     bounds = torch.arange(0, (batch_size + 1) * seq_length, seq_length, dtype=torch.int32, device=input_ids.device)
+    if position_ids is not None:
+        # NOTE: packed examples: one sequence per example, found where the positions (still on the CPU) restart.
+        starts = torch.cat([(position_ids.flatten() == 0).nonzero().flatten(), torch.tensor([position_ids.numel()])])
+        seq_length = int(starts.diff().max())
+        bounds = starts.to(input_ids.device, torch.int32, non_blocking=True)
     return dict(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=seq_length, max_length_k=seq_length)
+
+
+def get_model_inputs(batch, attn_implementation, dtype, device):
+    """A micro-batch on the device, as the model's arguments: packed examples each at their own positions, each
+    attending to itself only."""
+    input_ids = batch["input_ids"].to(device, non_blocking=True)
+    if "position_ids" not in batch:
+        return dict(input_ids=input_ids, labels=input_ids, **get_attention_kwargs(attn_implementation, input_ids))
+    inputs = dict(input_ids=input_ids, labels=batch["labels"].to(device, non_blocking=True),
+                  position_ids=batch["position_ids"].to(device, non_blocking=True))
+    if attn_implementation == "flash_attention_2":
+        return inputs | get_attention_kwargs(attn_implementation, input_ids, batch["position_ids"])
+    return inputs | dict(attention_mask=get_block_causal_mask(inputs["position_ids"], attn_implementation, dtype))
+
+
+def get_block_causal_mask(position_ids, attn_implementation, dtype):
+    """(batch, 1, query, key): True where the key is at or before the query, in the same example (the positions do
+    not restart between them)."""
+    example_ids = (position_ids == 0).cumsum(dim=1)
+    seq_length = position_ids.shape[1]
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=position_ids.device).tril()
+    mask = (example_ids[:, None, :, None] == example_ids[:, None, None, :]) & causal
+    if attn_implementation == "eager":
+        # NOTE: eager attention adds its mask to the scores.
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+def count_label_tokens(step_inputs):
+    # NOTE: the model shifts the labels: a row's first label is no token's target.
+    num_label_tokens = sum((inputs["labels"][:, 1:] != -100).sum() for inputs in step_inputs)
+    dist.all_reduce(num_label_tokens)
+    return num_label_tokens
 
 
 def apply_activation_checkpointing(model):
@@ -434,6 +487,12 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
     for layer, next_layer in zip(layers, layers[1:]):
         layer.set_modules_to_forward_prefetch([next_layer])
         next_layer.set_modules_to_backward_prefetch([layer])
+    # NOTE: each rank's loss is already its share of the global mean: sum the gradients, not average them, with a
+    # plain SUM (FSDP would otherwise use NCCL's premultiplied sum, which gloo lacks).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def find_weight_files(model_dir):
@@ -495,35 +554,150 @@ def reset_rotary_embeddings(model, device):
 
 
 def load_and_tokenize_dataset(args, tokenizer):
-    key = json.dumps([args.dataset_name, args.dataset_subset, args.text_column, tokenizer.name_or_path, len(tokenizer),
+    """The rows to train on, those to evaluate on (or None), and a line saying what they hold."""
+    key = json.dumps([args.dataset_name, args.dataset_subset, args.dataset_split, args.eval_split, args.eval_fraction,
+                      args.seed, args.text_column, tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template,
                       args.seq_length])
     cache_dir = Path(datasets.config.HF_DATASETS_CACHE) / "train_llm" / f"{zlib.crc32(key.encode()):08x}"
     if not cache_dir.exists():
         LOGGER.info(f"tokenizing {args.dataset_name} into {cache_dir}")
         with explain_load_errors(f"-d {args.dataset_name}", "pass a hub name, or .jsonl .json .csv .txt .parquet"):
-            raw_dataset = load_raw_dataset(args.dataset_name, args.dataset_subset)
-        columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
-        require(columns.get(args.text_column) in ("string", "large_string"),
-                f"no text column {args.text_column!r} (columns: {columns}); pass --text-column")
-        chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
-            tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
-            batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
+            raw_splits = {"train": load_raw_dataset(args.dataset_name, args.dataset_subset, args.dataset_split)}
+            if args.eval_split:
+                raw_splits["eval"] = load_raw_dataset(args.dataset_name, args.dataset_subset, args.eval_split)
+        schema = find_schema(raw_splits["train"], args.text_column)
+        if not args.eval_split and args.eval_fraction > 0:
+            num_examples = len(raw_splits["train"])
+            require(math.ceil(args.eval_fraction * num_examples) < num_examples, f"--eval-fraction "
+                    f"{args.eval_fraction} of {num_examples} examples leaves none to train on; pass --eval-fraction 0")
+            held_out = raw_splits["train"].train_test_split(test_size=args.eval_fraction, seed=args.seed)
+            raw_splits = {"train": held_out["train"], "eval": held_out["test"]}
+        splits, summaries = {}, []
+        for name, raw_dataset in raw_splits.items():
+            require(len(raw_dataset) > 0, f"the {name} split of -d {args.dataset_name} is empty; pass another split")
+            splits[name], summary = tokenize_split(raw_dataset, schema, tokenizer, args)
+            summaries.append(f"{name} {summary}")
         # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
-        chunked.save_to_disk(temporary_dir)
+        datasets.DatasetDict(splits).save_to_disk(temporary_dir)
+        (temporary_dir / "summary.txt").write_text(f"schema {schema}; {'; '.join(summaries)}")
         try:
             os.replace(temporary_dir, cache_dir)
         except OSError:
             shutil.rmtree(temporary_dir)
-    return datasets.load_from_disk(cache_dir).with_format("torch")
+    splits = datasets.load_from_disk(cache_dir).with_format("torch")
+    return splits["train"], splits.get("eval"), (cache_dir / "summary.txt").read_text()
 
 
-def load_raw_dataset(dataset_name, dataset_subset):
+def load_raw_dataset(dataset_name, dataset_subset, split):
     path = Path(dataset_name)
     if path.is_file():
         builder = {".jsonl": "json", ".txt": "text"}.get(path.suffix, path.suffix.lstrip("."))
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
-    return datasets.load_dataset(dataset_name, dataset_subset, split="train")
+        return datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
+    return datasets.load_dataset(dataset_name, dataset_subset, split=split)
+
+
+# Hugging Face's conventions, the first whose columns the data set has; with none of them, plain text.
+SCHEMAS = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "alpaca": ["instruction", "output"]}
+# Stanford Alpaca's prompts, with and without an input.
+ALPACA_PROMPTS = {
+    True: "Below is an instruction that describes a task, paired with an input that provides further context. Write "
+          "a response that appropriately completes the request.\n\n### Instruction:\n{instruction}\n\n### Input:\n"
+          "{input}\n\n### Response:\n",
+    False: "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+           "\n\n### Instruction:\n{instruction}\n\n### Response:\n"}
+
+
+def find_schema(raw_dataset, text_column):
+    columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
+    for schema, needed in SCHEMAS.items():
+        if all(name in columns for name in needed):
+            return schema
+    require(columns.get(text_column) in ("string", "large_string"), f"no known columns (columns: {columns}); "
+            "pass messages, prompt + completion, instruction + output (alpaca) or a text column (--text-column)")
+    return "text"
+
+
+def tokenize_split(raw_dataset, schema, tokenizer, args):
+    """Plain text cut into rows as in chapter 04; examples labelled on their answers, packed into rows."""
+    if schema == "text":
+        chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
+            tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
+            batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        return chunked, f"{len(raw_dataset)} texts, {len(chunked)} rows"
+    require(schema != "messages" or tokenizer.chat_template, f"-d has messages, but -m {args.model_name} has no chat "
+            "template; use a model that has one (an Instruct model), or prompt + completion columns")
+    examples = raw_dataset.map(lambda example: dict(zip(["input_ids", "labels"], tokenize_example(
+        example, schema, tokenizer))), remove_columns=raw_dataset.column_names, desc="tokenizing")
+    # NOTE: dropped, not truncated: a cut answer would teach the model to stop mid-sentence.
+    fitting = examples.filter(lambda example: len(example["input_ids"]) <= args.seq_length)
+    require(len(fitting) > 0, f"all {len(examples)} examples are longer than --seq-length {args.seq_length}; raise it")
+    rows = fitting.map(lambda batch: pack_examples(batch["input_ids"], batch["labels"], args.seq_length,
+                                                   tokenizer.eos_token_id),
+                       batched=True, batch_size=10_000, remove_columns=fitting.column_names, desc="packing")
+    labelled = sum(int((batch["labels"] != -100).sum()) for batch in rows.with_format("numpy").iter(10_000))
+    return rows, (f"{len(examples)} examples ({len(examples) - len(fitting)} longer than --seq-length dropped) in "
+                  f"{len(rows)} rows, {labelled / (len(rows) * args.seq_length):.0%} of their tokens labelled")
+
+
+def tokenize_example(example, schema, tokenizer):
+    """(input_ids, labels): the labels are the ids of the answer, -100 on the prompt."""
+    if schema == "messages":
+        return tokenize_conversation(example["messages"], tokenizer)
+    if schema == "alpaca":
+        prompt, completion = ALPACA_PROMPTS[bool(example.get("input"))].format_map(example), example["output"]
+    else:
+        prompt, completion = example["prompt"], example["completion"]
+    if isinstance(prompt, list):
+        # NOTE: TRL's conversational form: the prompt and the completion are lists of messages.
+        return tokenize_conversation(prompt + completion, tokenizer)
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
+
+
+def tokenize_conversation(messages, tokenizer):
+    # NOTE: an answer's tokens are what its turn adds to the conversation rendered so far, after the prompt that asks
+    # for it (add_generation_prompt): its end-of-turn token included, so that the model learns to stop.
+    def render(turns, add_generation_prompt=False):
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    input_ids, labels = [], []
+    for end, message in enumerate(messages, start=1):
+        is_answer = message["role"] == "assistant"
+        prompt = [(render(messages[:end - 1], add_generation_prompt=True), False)] if is_answer and end > 1 else []
+        for rendered, trained in [*prompt, (render(messages[:end]), is_answer)]:
+            require(rendered[:len(input_ids)] == input_ids, "the chat template renders a conversation's start "
+                    "differently as it goes on, so its answers cannot be told apart; use prompt + completion columns")
+            labels += rendered[len(input_ids):] if trained else [-100] * (len(rendered) - len(input_ids))
+            input_ids = rendered
+    return input_ids, labels
+
+
+def pack_examples(token_lists, label_lists, seq_length, pad_token_id):
+    """Rows of seq_length tokens, whole examples in order, a new row when the next does not fit (greedy, as
+    torchtitan's ChatDataset); positions restart at each example; the rest of a row is padding, labelled -100."""
+    rows = {"input_ids": [], "labels": [], "position_ids": []}
+    row = {name: [] for name in rows}
+
+    def close_row():
+        padding = seq_length - len(row["input_ids"])
+        rows["input_ids"].append(row["input_ids"] + [pad_token_id] * padding)
+        rows["labels"].append(row["labels"] + [-100] * padding)
+        rows["position_ids"].append(row["position_ids"] + list(range(padding)))
+        row.update({name: [] for name in rows})
+
+    for input_ids, labels in zip(token_lists, label_lists):
+        if len(row["input_ids"]) + len(input_ids) > seq_length:
+            close_row()
+        row["input_ids"] += input_ids
+        # NOTE: the model shifts the labels: an example's first token is never the previous example's target.
+        row["labels"] += [-100, *labels[1:]]
+        row["position_ids"] += range(len(input_ids))
+    if row["input_ids"]:
+        close_row()
+    return rows
 
 
 def cut_into_chunks(token_lists, eos_token_id, seq_length):
@@ -548,6 +722,26 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
     return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
                       num_workers=args.num_workers, pin_memory=device.type == "cuda")
+
+
+@torch.no_grad()
+def evaluate(model, eval_dataset, args, dtype, device, rank, world_size):
+    """The loss per label token of the held-out rows, as many on each rank (FSDP's collectives need every rank)."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    rows = Subset(eval_dataset, range(rank, len(eval_dataset) // world_size * world_size, world_size))
+    for batch in DataLoader(rows, batch_size=args.batch_size):
+        inputs = get_model_inputs(batch, args.attn_implementation, dtype, device)
+        totals[0] += model(**inputs, num_items_in_batch=1, use_cache=False).loss
+        totals[1] += (inputs["labels"][:, 1:] != -100).sum()
+    dist.all_reduce(totals)
+    model.train()
+    # NOTE: groups kept gathered after forward stay so until a backward, which an evaluation never runs; a checkpoint
+    # of a tied model then reads freed memory (a segfault, torch 2.13). Sharded again, as a training step leaves them.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    return {"eval_loss": (totals[0] / totals[1]).item(), "eval_label_tokens": int(totals[1].item())}
 
 
 # 3. The optimizer and the learning rate schedule
@@ -694,7 +888,8 @@ def read_and_reset_memory_stats(device):
 def log_metrics(metrics_file, record):
     mfu = "n/a" if record["mfu"] is None else f"{record['mfu']:.1%}"
     memory = " ".join(f"{key[:-3]} {value:.2f}GB" for key, value in record.items() if key.endswith("_gb"))
-    LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | grad norm "
+    evaluation = f" | eval loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+    LOGGER.info(f"step {record['step']} | loss {record['loss']:.4f}{evaluation} | lr {record['lr']:.2e} | grad norm "
                 f"{record['grad_norm']:.3f} | {record['tokens_per_second']:,.0f} tokens/s | MFU {mfu} | {memory}")
     wandb.log(record, step=record["step"])
     print(json.dumps(record), file=metrics_file, flush=True)

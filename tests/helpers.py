@@ -26,6 +26,10 @@ CHAPTERS = {
     "11": "11-4d-parallel",
 }
 TINY_MODEL = REPO / "data" / "tiny-llama"
+TINY_CORPUS = REPO / "data" / "tiny-shakespeare"
+TINY_CHAT = REPO / "data" / "tiny-chat"
+# Chapter 05 trains on the tiny chat set by default: these flags give it chapter 01's data, all of it for training.
+PLAIN_TEXT = ["-d", str(TINY_CORPUS), "--eval-fraction", "0"]
 FAULTS = REPO / "tests" / "faults"
 COUNTING_RUN = REPO / "tests" / "counting_run.py"
 

@@ -1,5 +1,7 @@
 """Chapter 05: a model trained by chapter 04 and converted to a Hugging Face folder loads into the shards exactly
-(each rank holds its own slices of the safetensors files, and the first loss is the one transformers computes);
+(each rank holds its own slices of the safetensors files, and the first loss is the one transformers computes on the
+answers alone); fine-tuning data is labelled on its answers in each schema, packed rows attend within each example,
+and the loss per token of the global batch is the same at any layout (a mean of means is not);
 activation checkpointing and torch.compile change the memory and the speed but not the losses; resume is exact and
 takes precedence over the pretrained weights; CUDA-only features fail clearly on the CPU; the launch and download
 scripts pass what a 405B run needs.
@@ -15,6 +17,7 @@ import re
 import shutil
 import sys
 
+import datasets
 import pytest
 import torch
 from safetensors import safe_open
@@ -22,13 +25,15 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, COUNTING_RUN, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL,
-                     checkpoint_weights, counted, error_line, FakeFlashAttention, grad_norm_difference, load_script,
+from helpers import (CHAPTERS, COUNTING_RUN, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, PLAIN_TEXT, REPO, TINY_CHAT,
+                     TINY_MODEL, checkpoint_weights, counted, error_line, FakeFlashAttention, grad_norm_difference, load_script,
                      logged_parameter_count, max_difference, read_losses, read_metrics, run, script, torchrun, train)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
 STEPS = ["--max-steps", "6", "--wandb-mode", "disabled"]
+# The tiny chat set, chapter 05's default data: 128 tokens hold all but 5% of its conversations; an eval every 2 steps.
+SFT = ["--seq-length", "128", "--eval-freq", "2"]
 
 
 def pretrained_model(runs, env):
@@ -43,7 +48,7 @@ def pretrained_model(runs, env):
 
 def finetune(runs, env, *args):
     """Chapter 05 on 2 ranks, starting from the pretrained model, under tests/counting_run.py (helpers' counted())."""
-    return runs.train("05", env, "-m", pretrained_model(runs, env), *STEPS, *args, nproc=2,
+    return runs.train("05", env, "-m", pretrained_model(runs, env), *STEPS, *SFT, *args, nproc=2,
                       launcher=[*torchrun(2), COUNTING_RUN])
 
 
@@ -70,26 +75,50 @@ def last_json_line(result):
     return json.loads([line for line in result.stdout.splitlines() if line.startswith(("{", "["))][-1])
 
 
-# What plain transformers computes on the batch of chapter 05's first step: the folder loaded by from_pretrained(),
-# and a randomly initialized model of the same config. The batch is the one each of the 2 ranks draws at step 1
-# (chapter 05's own data pipeline, unchanged from chapter 04); with equal token counts the mean over both is the
-# loss chapter 05 logs, the average of the two ranks' losses.
-TRANSFORMERS_LOSS = PREAMBLE + """
+# What plain transformers computes on the rows of chapter 05's first step (its own data pipeline draws them): each
+# example alone, labelled by transformers' own assistant mask (the bundled chat template with generation markers),
+# the summed losses over the label count; for the folder loaded by from_pretrained(), and a random model.
+TRANSFORMERS_LOSS = PREAMBLE + r"""
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 args = chapter.get_parser().parse_args(sys.argv[2:])
-dataset = chapter.load_and_tokenize_dataset(args, AutoTokenizer.from_pretrained(args.model_name))
-batch = torch.cat([next(iter(chapter.get_dataloader(dataset, args, 0, 0, torch.device("cpu"), rank, 2)))["input_ids"]
-                   for rank in range(2)])
+tokenizer = AutoTokenizer.from_pretrained(args.model_name)
+turn = "{{ message['content'] }}{{ eos_token }}\n"
+marked = tokenizer.chat_template.replace(turn, "{% if message['role'] == 'assistant' %}{% generation %}" + turn +
+                                         "{% endgeneration %}{% else %}" + turn + "{% endif %}")
+assert marked != tokenizer.chat_template
+answers = {}
+for line in open(f"{args.dataset_name}/train.jsonl"):
+    messages = json.loads(line)["messages"]
+    encoded = tokenizer.apply_chat_template(messages, chat_template=marked, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    assert encoded["input_ids"] == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False),
+                                             add_special_tokens=False)["input_ids"]
+    answers[tuple(encoded["input_ids"])] = encoded["assistant_masks"]
+dataset, _, _ = chapter.load_and_tokenize_dataset(args, tokenizer)
+examples = []
+for rank in range(2):
+    batch = next(iter(chapter.get_dataloader(dataset, args, 0, 0, torch.device("cpu"), rank, 2)))
+    for input_ids, position_ids in zip(batch["input_ids"], batch["position_ids"]):
+        starts = [*(position_ids == 0).nonzero().flatten().tolist(), len(position_ids)]
+        examples += [input_ids[start:end].tolist() for start, end in zip(starts, starts[1:])]
+found = [ids for ids in examples if tuple(ids) in answers]
+assert len(examples) - len(found) <= 2 * args.batch_size, "more unknown examples than padded rows"
 
 def loss_of(model):
+    total, count = 0.0, 0
     with torch.no_grad():
-        return model.eval()(input_ids=batch, labels=batch).loss.item()
+        for ids in found:
+            labels = torch.tensor([token if answer else -100 for token, answer in zip(ids, answers[tuple(ids)])])
+            logits = model.eval()(input_ids=torch.tensor([ids])).logits[0, :-1]
+            total += torch.nn.functional.cross_entropy(logits, labels[1:], reduction="sum").item()
+            count += int((labels[1:] != -100).sum())
+    return total / count
 
 pretrained = AutoModelForCausalLM.from_pretrained(args.model_name, dtype=torch.float32)
 torch.manual_seed(0)
 random_init = AutoModelForCausalLM.from_config(pretrained.config, dtype=torch.float32)
-print(json.dumps({"pretrained": loss_of(pretrained), "random_init": loss_of(random_init)}))
+print(json.dumps({"pretrained": loss_of(pretrained), "random_init": loss_of(random_init), "examples": len(found)}))
 """
 
 
@@ -98,12 +127,12 @@ def test_pretrained_weights_give_the_loss_transformers_computes(runs, env, tmp_p
     result, experiment = finetune(runs, env)
     assert f"loaded the pretrained weights of {model_dir}" in result.stdout
     first_loss = read_losses(experiment)[0]
-    reference = last_json_line(run_program(TRANSFORMERS_LOSS, env, tmp_path, script("05"), *FAST_ARGS,
-                                           "-m", model_dir))
-    print(f"\nfirst-step loss: chapter 05 from the pretrained folder {first_loss:.6f}, transformers "
-          f"{reference['pretrained']:.6f} (difference {abs(first_loss - reference['pretrained']):.1e}); "
-          f"random init {reference['random_init']:.4f}")
-    assert abs(first_loss - reference["pretrained"]) <= 1e-5
+    reference = last_json_line(run_program(TRANSFORMERS_LOSS, env, tmp_path, script("05"), *FAST_ARGS, *SFT,
+                                           "-m", model_dir, "-d", TINY_CHAT))
+    print(f"\nfirst-step loss: chapter 05 from the pretrained folder {first_loss:.6f}, transformers on the answers of "
+          f"{reference['examples']} examples alone {reference['pretrained']:.6f} (difference "
+          f"{abs(first_loss - reference['pretrained']):.1e}); random init {reference['random_init']:.4f}")
+    assert abs(first_loss - reference["pretrained"]) <= 1e-6
     assert first_loss < reference["random_init"] - 1.0
 
 
@@ -114,7 +143,7 @@ def test_a_tied_model_keeps_the_embedding_in_the_head_s_group_and_loads_its_one_
     tied Hugging Face folder, which stores the matrix once (as model.embed_tokens.weight), the first loss is the
     one transformers computes, and the checkpoint holds one matrix under both names."""
     reference_result, single = runs.train("01", env, "-m", tied_model, *STEPS, "--batch-size", "4")
-    result, from_seed = runs.train("05", env, "-m", tied_model, *STEPS, "--batch-size", "2", nproc=2)
+    result, from_seed = runs.train("05", env, "-m", tied_model, *STEPS, "--batch-size", "2", *PLAIN_TEXT, nproc=2)
     difference = max_difference(read_losses(single), read_losses(from_seed))
     assert grad_norm_difference(single, from_seed, clipped=True) <= GRAD_NORM_TOLERANCE
 
@@ -125,11 +154,11 @@ def test_a_tied_model_keeps_the_embedding_in_the_head_s_group_and_loads_its_one_
         model_dir)
     with safe_open(model_dir / "model.safetensors", framework="pt") as saved:
         assert "lm_head.weight" not in saved.keys()
-    pretrained_result, finetuned = train("05", env, tmp_path, "-m", model_dir, *STEPS, nproc=2)
+    pretrained_result, finetuned = train("05", env, tmp_path, "-m", model_dir, *STEPS, *SFT, nproc=2)
     assert f"loaded the pretrained weights of {model_dir}" in pretrained_result.stdout
     first_loss = read_losses(finetuned)[0]
-    reference = last_json_line(run_program(TRANSFORMERS_LOSS, env, tmp_path, script("05"), *FAST_ARGS,
-                                           "-m", model_dir))
+    reference = last_json_line(run_program(TRANSFORMERS_LOSS, env, tmp_path, script("05"), *FAST_ARGS, *SFT,
+                                           "-m", model_dir, "-d", TINY_CHAT))
     weights = checkpoint_weights(finetuned / "checkpoint-00000006", tmp_path)
     head_vs_embedding = (weights["lm_head.weight"] - weights["model.embed_tokens.weight"]).abs().max().item()
     print(f"\ntied model: from the seed vs chapter 01, largest loss difference {difference:.1e} over 6 steps, "
@@ -189,7 +218,8 @@ def test_from_the_seed_without_clipping_it_trains_chapter_01s_curve(runs, env, t
     """The tied model's parity run above, with clipping that binds at no step (NO_CLIPPING): the gradients are
     applied as computed, and their norm is chapter 01's at every step."""
     _, single = runs.train("01", env, "-m", tied_model, *STEPS, "--batch-size", "4", *NO_CLIPPING)
-    _, from_seed = runs.train("05", env, "-m", tied_model, *STEPS, "--batch-size", "2", *NO_CLIPPING, nproc=2)
+    _, from_seed = runs.train("05", env, "-m", tied_model, *STEPS, "--batch-size", "2", *PLAIN_TEXT, *NO_CLIPPING,
+                              nproc=2)
     difference = max_difference(read_losses(single), read_losses(from_seed))
     norm_difference = grad_norm_difference(single, from_seed, clipped=False)
     print(f"\ntied model unclipped, 2 ranks x 2 vs chapter 01 batch 4: largest loss difference {difference:.1e}, "
@@ -295,18 +325,22 @@ def test_compile_trains_like_eager(runs, env):
 def test_resume_is_exact_and_takes_precedence_over_the_pretrained_weights(runs, env, tmp_path):
     _, straight = finetune(runs, env)
     model_dir = pretrained_model(runs, env)
-    args = ["-m", model_dir, *STEPS]
+    args = ["-m", model_dir, *STEPS, *SFT]
     # The first half with activation checkpointing, the second without: the checkpoint's names do not depend on it.
     train("05", env, tmp_path, *args, "--exit-after-steps", "3", "--activation-checkpointing", nproc=2,
           experiment="resumed")
     result, resumed = train("05", env, tmp_path, *args, nproc=2, experiment="resumed")
     assert "resumed from" in result.stdout and "loaded the pretrained weights" not in result.stdout
     difference = max_difference(read_losses(straight), read_losses(resumed))
+    eval_losses = [{record["step"]: record["eval_loss"] for record in read_metrics(experiment) if "eval_loss" in record}
+                   for experiment in (straight, resumed)]
+    eval_difference = max(abs(eval_losses[0][step] - eval_losses[1][step]) for step in eval_losses[0])
     weights = [final_weights(experiment, tmp_path / f"{experiment.name}.pt") for experiment in (straight, resumed)]
     weight_difference = max((weights[0][name] - weights[1][name]).abs().max().item() for name in weights[0])
-    print(f"\nresume: 6 steps straight vs 3 + 3: largest loss difference {difference:.1e}, "
-          f"largest weight difference {weight_difference:.1e}")
-    assert difference <= 1e-6 and weight_difference <= 1e-6
+    print(f"\nresume: 6 steps straight vs 3 + 3: largest loss difference {difference:.1e}, eval losses at steps "
+          f"{sorted(eval_losses[0])} {eval_difference:.1e}, largest weight difference {weight_difference:.1e}")
+    assert sorted(eval_losses[0]) == sorted(eval_losses[1]) == [2, 4, 6]
+    assert difference <= 1e-6 and eval_difference <= 1e-6 and weight_difference <= 1e-6
     assert grad_norm_difference(straight, resumed, clipped=None) <= 1e-6
 
 
@@ -405,9 +439,10 @@ def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers
     assert checks_before == num_layers
     assert reads_before - figures[1][0] == num_layers
     # The chapter passes them to its model.
-    source = script("05").read_text()
-    assert "attention_kwargs = get_attention_kwargs(args.attn_implementation, input_ids)" in source
-    assert "**attention_kwargs).loss" in source
+    chapter_inputs = chapter.get_model_inputs({"input_ids": input_ids}, "flash_attention_2", torch.float32,
+                                              torch.device("cpu"))
+    assert chapter_inputs.keys() == {"input_ids", "labels", *kwargs}
+    assert "loss = model(**inputs, num_items_in_batch=num_label_tokens, use_cache=False).loss" in script("05").read_text()
 
 
 def test_a_folder_with_only_pickled_weights_gets_a_one_line_error(env, tmp_path):
@@ -436,7 +471,8 @@ def test_mistral_consolidated_safetensors_are_neither_read_nor_downloaded(runs, 
     assert chapter.find_weight_files(model_dir) == [model_dir / "model-00001-of-00001.safetensors"]
     assert any(fnmatch.fnmatch("consolidated.safetensors", pattern) for pattern in chapter.SKIPPED_MODEL_FILES)
     _, plain = finetune(runs, env)
-    result, experiment = train("05", env, tmp_path, "-m", model_dir, *STEPS, nproc=2, experiment="mistral-like")
+    result, experiment = train("05", env, tmp_path, "-m", model_dir, *STEPS, *SFT, nproc=2,
+                               experiment="mistral-like")
     assert f"loaded the pretrained weights of {model_dir}" in result.stdout
     difference = max_difference(read_losses(plain), read_losses(experiment))
     print(f"\nmodel-00001-of-00001.safetensors next to an unreadable consolidated.safetensors: largest loss "
@@ -487,3 +523,177 @@ def test_download_fetches_only_the_weights_config_and_tokenizer(env, tmp_path):
     chapter = load_script("05")
     assert re.findall(r"--include (\S+)", call) == chapter.MODEL_FILES
     assert re.findall(r"--exclude (\S+)", call) == chapter.SKIPPED_MODEL_FILES
+
+
+# Fine-tuning data: schemas, masking, packing, the loss per token, evaluation.
+
+
+def conversations(count):
+    return [json.loads(line)["messages"] for line in (TINY_CHAT / "train.jsonl").read_text().splitlines()[:count]]
+
+
+@pytest.mark.quick
+def test_each_schema_labels_its_answers_and_nothing_else():
+    """The same exchanges in each schema of Hugging Face's conventions: the labelled tokens decode to the answers
+    (with the end of turn), every other token is -100; find_schema() picks each from its columns."""
+    from transformers import AutoTokenizer
+
+    chapter = load_script("05")
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    eos = tokenizer.eos_token
+    first = next(messages for messages in conversations(50) if [m["role"] for m in messages] == ["user", "assistant"])
+    question, answer = first[0]["content"], first[1]["content"]
+    cases = {
+        "messages": ({"messages": first}, [f"{answer}{eos}\n"]),
+        "prompt-completion": ({"prompt": question, "completion": answer}, [f"{answer}{eos}"]),
+        "prompt-completion, conversational": ({"prompt": first[:1], "completion": first[1:]}, [f"{answer}{eos}\n"]),
+        "alpaca": ({"instruction": question, "input": "", "output": answer}, [f"{answer}{eos}"]),
+        "alpaca with input": ({"instruction": "Answer.", "input": question, "output": answer}, [f"{answer}{eos}"]),
+    }
+    multi_turn = next(messages for messages in conversations(200) if len(messages) >= 4)
+    cases["messages, system and two exchanges"] = ({"messages": multi_turn}, [
+        f"{message['content']}{eos}\n" for message in multi_turn if message["role"] == "assistant"])
+    for name, (example, expected) in cases.items():
+        schema = chapter.find_schema(datasets.Dataset.from_list([example]), "text")
+        assert schema == name.split(",")[0].split(" with")[0], (name, schema)
+        input_ids, labels = chapter.tokenize_example(example, schema, tokenizer)
+        assert len(input_ids) == len(labels)
+        spans, span = [], []
+        for token, label in zip(input_ids, labels):
+            if label != -100:
+                assert label == token
+                span.append(token)
+            elif span:
+                spans, span = spans + [span], []
+        spans += [span] if span else []
+        decoded = [tokenizer.decode(span) for span in spans]
+        print(f"\n{name}: {sum(label != -100 for label in labels)} of {len(labels)} tokens labelled: {decoded}")
+        assert decoded == expected, (name, decoded)
+    assert chapter.find_schema(datasets.Dataset.from_list([{"text": "plain"}]), "text") == "text"
+
+
+# A packed row's summed loss against its examples' run one at a time, with each attention implementation (flash
+# attention's functions computed by SDPA on the CPU, as in the flash test below), and the row without the mask.
+# NOTE: in float64: in float32, adding ~1,000 nats in another order moves the mean by ~1e-6 whatever the attention.
+def test_a_packed_row_s_loss_is_its_examples_losses_each_run_alone(monkeypatch):
+    import transformers.modeling_flash_attention_utils as flash_utils
+    from transformers import AutoTokenizer
+
+    fake = FakeFlashAttention()
+    process = flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func)
+    processes = (process, dict) if hasattr(flash_utils, "_process_with_kvcache_kwargs_fn") else process
+    monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
+        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None), processes))
+    chapter = load_script("05")
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    examples = [chapter.tokenize_example({"messages": messages}, "messages", tokenizer)
+                for messages in conversations(6)]
+    rows = chapter.pack_examples([ids for ids, _ in examples], [labels for _, labels in examples], 256,
+                                 tokenizer.eos_token_id)
+    row = {name: torch.tensor(values[:1]) for name, values in rows.items()}
+    in_row = (row["position_ids"][0] == 0).sum().item() - 1  # the last "example" is the padding
+    assert in_row >= 3, in_row
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL), dtype=torch.float64).eval()
+
+    def summed_loss(attn_implementation, **inputs):
+        model.config._attn_implementation = attn_implementation
+        with torch.no_grad():
+            return model(**inputs, num_items_in_batch=1, use_cache=False).loss.item()
+
+    alone = sum(summed_loss("sdpa", input_ids=torch.tensor([ids]), labels=torch.tensor([[-100, *labels[1:]]]))
+                for ids, labels in examples[:in_row])
+    num_labels = (row["labels"][:, 1:] != -100).sum().item()
+    differences = {}
+    for attn_implementation in ["sdpa", "eager", "flash_attention_2"]:
+        inputs = chapter.get_model_inputs(row, attn_implementation, torch.float64, torch.device("cpu"))
+        differences[attn_implementation] = abs(summed_loss(attn_implementation, **inputs) - alone) / num_labels
+    unmasked = abs(summed_loss("sdpa", input_ids=row["input_ids"], labels=row["labels"]) - alone) / num_labels
+    print(f"\na row of {in_row} packed examples ({num_labels} labels) vs each alone, loss per label token: "
+          + ", ".join(f"{name} {difference:.1e}" for name, difference in differences.items())
+          + f"; one causal sequence at positions 0..255 instead: {unmasked:.2f}")
+    assert all(difference <= 1e-12 for difference in differences.values()), differences
+    assert fake.calls["flash_attn_varlen_func"] == model.config.num_hidden_layers
+    # The positive control: without per-example positions and attention, the examples see each other.
+    assert unmasked > 1e-2
+
+
+# The mean of means the chapter replaced, put back into a copy of it: each micro-batch's mean loss, averaged.
+MEAN_OF_MEANS = ("loss = model(**inputs, num_items_in_batch=num_label_tokens, use_cache=False).loss",
+                 "loss = model(**inputs, use_cache=False).loss / (args.grad_accum * world_size)")
+# (processes, flags): layouts of the reference's global batch of 4 rows.
+EXACT_LAYOUTS = {"dp 2 x grad-accum 2": (2, ["--batch-size", "1", "--grad-accum", "2"]),
+                 "dp 4": (4, ["--batch-size", "1"]),
+                 "1 process x grad-accum 4": (None, ["--batch-size", "1", "--grad-accum", "4"])}
+
+
+def test_the_loss_per_token_of_the_global_batch_is_the_same_at_every_layout(runs, env, tmp_path):
+    """On the tiny chat set, whose steps hold 37 to 74 labelled tokens: every layout of a global batch of 4 rows
+    trains the curve of one process on all 4, where a mean of per-micro-batch means does not.
+
+    NOTE: at a fine-tuning learning rate: at 1e-3 AdamW's first, sign-like steps turn the gradients' rounding (FSDP
+    adds the ranks' in another order) into norms 2.8e-4 apart by step 6, at 1e-4 into 1.2e-4."""
+    args = [*STEPS, "--seq-length", "128", "--lr", "1e-4"]
+    _, reference = runs.train("05", env, *args, "--batch-size", "4")
+    label_counts = [record["label_tokens"] for record in read_metrics(reference)]
+    figures = {}
+    for name, (nproc, flags) in EXACT_LAYOUTS.items():
+        _, experiment = runs.train("05", env, *args, *flags, nproc=nproc)
+        figures[name] = (max_difference(read_losses(reference), read_losses(experiment)),
+                         grad_norm_difference(reference, experiment, clipped=True))
+    mean_of_means = tmp_path / "05-mean-of-means" / "train_llm.py"
+    mean_of_means.parent.mkdir()
+    source = script("05").read_text()
+    assert source.count(MEAN_OF_MEANS[0]) == 1
+    mean_of_means.write_text(source.replace(*MEAN_OF_MEANS))
+    result = run([*torchrun(2), mean_of_means, *FAST_ARGS, *args, "--batch-size", "1", "--grad-accum", "2",
+                  "-m", TINY_MODEL, "-d", TINY_CHAT, "--save-dir", tmp_path / "outputs", "-e", "mean-of-means"], env,
+                 tmp_path)
+    wrong = tmp_path / "outputs" / "mean-of-means"
+    wrong_figures = (max_difference(read_losses(reference), read_losses(wrong)),
+                     grad_norm_difference(reference, wrong, clipped=True))
+    print(f"\nlabel tokens per step {label_counts}; vs 1 process on the global batch, largest loss and relative "
+          "gradient norm differences over 6 steps: " + ", ".join(
+              f"{name} {loss:.1e} / {norm:.1e}" for name, (loss, norm) in figures.items())
+          + f"; a mean of means at dp 2 x grad-accum 2: {wrong_figures[0]:.1e} / {wrong_figures[1]:.1e}")
+    assert len(set(label_counts)) > 1
+    assert all(loss <= 1e-5 and norm <= GRAD_NORM_TOLERANCE for loss, norm in figures.values()), figures
+    assert "loss" in result.stdout and wrong_figures[0] > 1e-3 and wrong_figures[1] > GRAD_NORM_TOLERANCE
+
+
+def chat_without_template(tmp_path):
+    model_dir = tmp_path / "no-chat-template"
+    shutil.copytree(TINY_MODEL, model_dir, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    return model_dir
+
+
+SFT_BAD_INPUTS = {
+    "no schema": (lambda tmp_path: ["-d", write_jsonl(tmp_path / "qa.jsonl", [{"question": "Who?", "answer": "I."}])],
+                  "error: no known columns (columns: {'question': 'string', 'answer': 'string'}); pass messages, "
+                  "prompt + completion, instruction + output (alpaca) or a text column (--text-column)"),
+    "no chat template": (lambda tmp_path: ["-m", chat_without_template(tmp_path)],
+                         "error: -d has messages, but -m {tmp_path}/no-chat-template has no chat template; use a "
+                         "model that has one (an Instruct model), or prompt + completion columns"),
+    "all too long": (lambda tmp_path: ["--seq-length", "16"],
+                     "error: all 570 examples are longer than --seq-length 16; raise it"),
+    "empty split": (lambda tmp_path: ["--eval-split", "held-out", "-d", write_jsonl(tmp_path / "empty.jsonl", [])],
+                    "error: cannot load -d {tmp_path}/empty.jsonl (it holds no data); pass a hub name, or .jsonl "
+                    ".json .csv .txt .parquet"),
+    "eval off the logging steps": (lambda tmp_path: ["--eval-freq", "15", "--log-freq", "10"],
+                                   "error: --eval-freq 15 must be a multiple of --log-freq 10: an evaluation waits "
+                                   "for the GPU, as a logging step does"),
+}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+@pytest.mark.parametrize("case", SFT_BAD_INPUTS)
+def test_fine_tuning_data_it_cannot_use_gets_a_one_line_error(env, tmp_path, case):
+    make_args, expected = SFT_BAD_INPUTS[case]
+    result, _ = train("05", env, tmp_path, *make_args(tmp_path), "--max-steps", "2", check=False, timeout=120)
+    assert result.returncode == 1
+    assert error_line(result) == expected.replace("{tmp_path}", str(tmp_path)), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

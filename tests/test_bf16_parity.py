@@ -18,7 +18,7 @@ One chapter-01 reference run serves every test (the `runs` fixture of conftest.p
 
 import pytest
 
-from helpers import max_difference, read_losses
+from helpers import PLAIN_TEXT, max_difference, read_losses
 
 STEPS = 6
 COMMON = ["--max-steps", str(STEPS), "--dtype", "bfloat16", "--wandb-mode", "disabled"]
@@ -35,7 +35,7 @@ CHAPTER_RUNS = {
     "02": (2, ["--batch-size", "2"], AUTOCAST_TOLERANCE),
     "03": (2, ["--batch-size", "2"], AUTOCAST_TOLERANCE),
     "04": (2, ["--batch-size", "2"], FSDP_BF16_TOLERANCE),
-    "05": (2, ["--batch-size", "2"], FSDP_BF16_TOLERANCE),
+    "05": (2, ["--batch-size", "2", *PLAIN_TEXT], FSDP_BF16_TOLERANCE),
     # NOTE: the tensor-parallel ranks of 06, and of 07 at dp 1 x tp 2, all read the whole batch.
     "06": (2, ["--batch-size", "4"], AUTOCAST_TOLERANCE),
     "07": (2, ["--tp", "2", "--batch-size", "4"], FSDP_BF16_TOLERANCE),

@@ -70,10 +70,27 @@ LINEAGE = {
         "log_memory_held": "each rank shows it holds 1/N of parameters, gradients and optimizer state",
     },
     ("04", "05"): {
-        "main": "pretrained weights (from a folder or the hub), activation checkpointing, torch.compile, and the "
-                "attention option with flash attention's kwargs",
-        "get_parser": "the options of attention, activation checkpointing and compilation",
-        "shard_model": "separate FSDP groups for the embedding and the output head of a 405B model, and prefetching",
+        "main": "pretrained weights (from a folder or the hub), activation checkpointing, torch.compile, the "
+                "attention option with flash attention's kwargs, fine-tuning data (answers labelled, examples "
+                "packed), the loss per label token of the global batch, and evaluation",
+        "get_parser": "the options of attention, activation checkpointing, compilation, splits and evaluation",
+        "parse_args": "the evaluation options' rules",
+        "shard_model": "separate FSDP groups for the embedding and the output head of a 405B model, prefetching, and "
+                       "gradients summed (each rank's loss is its share of the global batch's)",
+        "load_and_tokenize_dataset": "fine-tuning schemas, a held-out split, and a summary of the data",
+        "load_raw_dataset": "a named split",
+        "SCHEMAS": "the fine-tuning data's schemas",
+        "ALPACA_PROMPTS": "alpaca's prompts",
+        "find_schema": "the schema, from the columns",
+        "tokenize_split": "plain text as in chapter 04, or examples labelled on their answers and packed",
+        "tokenize_example": "an example's labels: its answer",
+        "tokenize_conversation": "a conversation's labels: its assistant turns",
+        "pack_examples": "examples packed into rows, positions restarting at each",
+        "get_model_inputs": "a micro-batch's arguments: packed examples attend within themselves",
+        "get_block_causal_mask": "the attention mask of packed examples",
+        "count_label_tokens": "the global batch's label tokens, for the loss per token",
+        "evaluate": "the held-out loss",
+        "log_metrics": "the eval loss in the log line",
         "init_weights": "parameter names without the activation checkpoint wrapper's part",
         "attention_implementation": "the attention options: eager, SDPA, flash attention",
         "get_attention_kwargs": "the attention options: eager, SDPA, flash attention",
@@ -214,6 +231,11 @@ REWORDED = {
     ("04", "05"): {
         "# 1. The model: built empty, sharded, then filled with its pretrained weights (or from the seed if it has "
         "none).": "the section now loads pretrained weights",
+        "# 2. The data: examples labelled on their answers only, packed into rows of --seq-length, cached on disk.":
+            "the section now prepares fine-tuning data",
+        "# NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.":
+            "the loss is divided by the global batch's label tokens: the division by the world size is gone a line "
+            "on",
         "# its backward comes right after. The output group below stays gathered for the same reason.":
             "at 405B the norm and head are a group of their own that stays gathered; the root holds nothing",
     },

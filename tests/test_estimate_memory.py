@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, TINY_MODEL, memory_held, quick_cases, torchrun, train
+from helpers import PLAIN_TEXT, REPO, TINY_MODEL, memory_held, quick_cases, torchrun, train
 
 sys.path.insert(0, str(REPO / "tools"))
 import estimate_memory  # noqa: E402
@@ -39,7 +39,7 @@ CASES = {
     "04 qwen2 ws4": ("04", 4, "qwen2", [], {"dp": 4, "fsdp": True}),
     "04 llama ws2 bf16": ("04", 2, "llama", ["--dtype", "bfloat16"], {"dp": 2, "fsdp": True, "dtype": "bfloat16"}),
     "04 llama ws2 grad-accum 2": ("04", 2, "llama", ["--grad-accum", "2"], {"dp": 2, "fsdp": True, "grad_accum": 2}),
-    "05 checkpointing llama ws1": ("05", None, "llama", ["--activation-checkpointing"],
+    "05 checkpointing llama ws1": ("05", None, "llama", ["--activation-checkpointing", *PLAIN_TEXT],
                                    {"fsdp": True, "split_root_group": True, "activation_checkpointing": True}),
     "06 llama ws2": ("06", 2, "llama", [], {"tp": 2}),
     "06 qwen2 ws4": ("06", 4, "qwen2", [], {"tp": 4}),

@@ -4,6 +4,7 @@ chapter's checkpoint, dev/make_figures.py draws every figure the READMEs show (h
 import json
 import re
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -102,3 +103,25 @@ def test_make_figures_fast_writes_every_figure_the_readmes_show(env, tmp_path):
     for name, committed in sorted(shown.items()):
         assert (out_dir / name).read_bytes().startswith(b"\x89PNG"), f"make_figures.py did not draw {name}"
         assert committed.is_file(), f"{committed.relative_to(REPO)} is not committed"
+
+
+def test_generate_chat_asks_in_the_chat_template_and_prints_the_answer_only(env, tmp_path):
+    """--chat renders the prompt as a user's turn and the start of an answer, as chapter 05 fine-tunes on: greedy, it
+    prints what plain continuation of that rendered text adds; without a chat template it stops with one line."""
+    import generate
+
+    model = generate.untrained_model(TINY_MODEL, seed=0).eval()
+    tokenizer = generate.load_tokenizer(TINY_MODEL)
+    prompt = "Which play has this line?\n\nTo be, or not to be"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert rendered.endswith("<|assistant|>\n") and prompt in rendered
+    answer = generate.sample(model, tokenizer, prompt, 8, 0, 50, torch.device("cpu"), chat=True)
+    continued = generate.sample(model, tokenizer, rendered, 8, 0, 50, torch.device("cpu"))
+    assert answer and continued == tokenizer.decode(tokenizer(rendered).input_ids, skip_special_tokens=True) + answer
+    no_template = tmp_path / "no-chat-template"
+    shutil.copytree(TINY_MODEL, no_template, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    result = run([sys.executable, TOOLS / "generate.py", "--untrained", "--chat", "-m", no_template], env, tmp_path,
+                 check=False)
+    assert result.returncode == 1 and error_line(result) == (
+        f"error: the tokenizer of {no_template} has no chat template; drop --chat, or pass -m a model that has one")

@@ -3,11 +3,15 @@
     python tools/generate.py outputs/01-single-gpu --prompt "ROMEO:" --max-new-tokens 60
     python tools/generate.py outputs/llama-8b-fsdp -m meta-llama/Llama-3.1-8B --prompt "The capital of France is"
     python tools/generate.py --untrained --prompt "ROMEO:"        # the seeded weights every chapter starts from
+    python tools/generate.py outputs/05-training-llama-405b --chat --prompt "Which play has this line?
+
+    To be, or not to be: that is the question:"                      # a fine-tuned model, asked in its chat template
 
 EXPERIMENT_DIR is an experiment folder (its latest checkpoint-* is used) or one checkpoint folder. Chapters 01-03
 write model.pt; chapters 04-07 write DCP shards, which this one process reads whole, whatever the number of ranks
 that wrote them. The model is built from the checkpoint's model_config.json; the tokenizer comes from -m, which
-must be the -m the run trained with (default: the bundled tiny Llama).
+must be the -m the run trained with (default: the bundled tiny Llama). With --chat the prompt is a user's turn in the
+tokenizer's chat template, followed by the template's start of an answer, and only the answer is printed.
 """
 
 import argparse
@@ -26,6 +30,7 @@ def main():
     parser.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
                         help="where the tokenizer is: the -m the experiment was trained with")
     parser.add_argument("--prompt", default="ROMEO:", help="the text to continue")
+    parser.add_argument("--chat", action="store_true", help="ask the prompt as a user's turn of the chat template")
     parser.add_argument("--max-new-tokens", type=int, default=60, help="how many tokens to add")
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0 picks the likeliest")
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens")
@@ -50,13 +55,15 @@ def main():
         checkpoint_dir = find_checkpoint(Path(args.experiment_dir))
         model = load_model(checkpoint_dir)
         source = str(checkpoint_dir)
+    if args.chat and not tokenizer.chat_template:
+        fail(f"the tokenizer of {args.model_name} has no chat template; drop --chat, or pass -m a model that has one")
     if len(tokenizer) > model.config.vocab_size:
         fail(f"the tokenizer of {args.model_name} has {len(tokenizer)} tokens, the model {model.config.vocab_size}; "
              "pass -m the model folder the experiment was trained with")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device=device, dtype=getattr(torch, args.dtype)).eval()
     print(f"{source}:", file=sys.stderr)
-    print(sample(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, device))
+    print(sample(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, device, args.chat))
 
 
 def fail(message):
@@ -138,15 +145,21 @@ def untrained_model(model_name, seed):
     return model
 
 
-def sample(model, tokenizer, prompt, max_new_tokens, temperature, top_k, device):
+def sample(model, tokenizer, prompt, max_new_tokens, temperature, top_k, device, chat=False):
     import torch
 
-    input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
+    if chat:
+        # NOTE: the template adds the special tokens itself, as chapter 05's fine-tuning saw them.
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        input_ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+    else:
+        input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     with torch.no_grad():
         output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                                 do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
                                 top_k=top_k if temperature > 0 else None, pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(output[0], skip_special_tokens=True)
+    return tokenizer.decode(output[0, input_ids.shape[1]:] if chat else output[0], skip_special_tokens=True)
 
 
 if __name__ == "__main__":
