@@ -96,6 +96,8 @@ CPU_MODEL = REPO / "data" / "tiny-llama"
 # every degree is 1 and chapters 08 and 09 exercise no pipeline and no ring (their rows say so); on a machine with
 # several GPUs the chapter's own parallelism takes them all (08: as many as 1F1B allows, the rest data parallel).
 CHAPTER_ARGS = {
+    # NOTE: chapter 05 fine-tunes on data/tiny-chat by default; here it trains on chapter 01's text, all of it.
+    "05-training-llama-405b": ["-d", str(REPO / "data" / "tiny-shakespeare"), "--eval-fraction", "0"],
     "06-tensor-parallel": [],  # tensor-parallel degree = world size
     "07-2d-parallel": ["--tp", "{nproc}"],  # the chapter's default on one node, said explicitly
     "08-pipeline-parallel": ["--pp", "{pp}"],
