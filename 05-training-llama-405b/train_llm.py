@@ -159,7 +159,8 @@ def main():
                        for _ in range(args.grad_accum)]
         # NOTE: each micro-batch's summed token losses over the global batch's label tokens, counted first (one
         # all-reduce): a mean of micro-batch means would weigh a token of a short answer more than one of a long one.
-        num_label_tokens = count_label_tokens(step_inputs)
+        num_label_tokens = sum(count_label_tokens(inputs) for inputs in step_inputs)
+        dist.all_reduce(num_label_tokens)
         for inputs in step_inputs:
             # NOTE: no autocast: FSDP casts the gathered weights to bf16. No no_sync(): it would keep whole gradients
             # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
@@ -221,10 +222,10 @@ def get_parser():
                        help="hub name, or a folder or file (.jsonl .json .csv .txt .parquet)")
     group.add_argument("--dataset-subset", help="the configuration, if it has several")
     group.add_argument("--dataset-split", default="train", help="the split to train on")
-    group.add_argument("--text-column", default="text", help="the column of plain text (data without answers)")
-    group.add_argument("--eval-split", help="a split to evaluate on (default: --eval-fraction of --dataset-split)")
+    group.add_argument("--text-column", default="text", help="of plain text (data without answers)")
+    group.add_argument("--eval-split", help="default: --eval-fraction of --dataset-split")
     group.add_argument("--eval-fraction", type=float, default=0.05, help="examples held out to evaluate on")
-    group.add_argument("--eval-freq", type=int, default=50, help="steps between evaluations (at logging steps)")
+    group.add_argument("--eval-freq", type=int, default=50, help="steps between evaluations")
     group.add_argument("--seq-length", type=int, default=256)
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
@@ -416,36 +417,23 @@ def get_attention_kwargs(attn_implementation, input_ids, position_ids=None):
 
 
 def get_model_inputs(batch, attn_implementation, dtype, device):
-    """A micro-batch on the device, as the model's arguments: packed examples each at their own positions, each
-    attending to itself only."""
-    input_ids = batch["input_ids"].to(device, non_blocking=True)
+    """A micro-batch on the device as the model's arguments; packed examples at their own positions, each attending
+    to itself only (flash attention: each a sequence of its own)."""
+    inputs = {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
     if "position_ids" not in batch:
-        return dict(input_ids=input_ids, labels=input_ids, **get_attention_kwargs(attn_implementation, input_ids))
-    inputs = dict(input_ids=input_ids, labels=batch["labels"].to(device, non_blocking=True),
-                  position_ids=batch["position_ids"].to(device, non_blocking=True))
+        return dict(**inputs, labels=inputs["input_ids"], **get_attention_kwargs(attn_implementation, inputs["input_ids"]))
     if attn_implementation == "flash_attention_2":
-        return inputs | get_attention_kwargs(attn_implementation, input_ids, batch["position_ids"])
-    return inputs | dict(attention_mask=get_block_causal_mask(inputs["position_ids"], attn_implementation, dtype))
+        return inputs | get_attention_kwargs(attn_implementation, inputs["input_ids"], batch["position_ids"])
+    # NOTE: key s is visible to query t if s <= t and no example starts in between; eager adds the mask to the scores.
+    example_ids = (inputs["position_ids"] == 0).cumsum(dim=1)
+    visible = (example_ids[:, None, :, None] == example_ids[:, None, None, :]).tril()
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, torch.finfo(dtype).min)
+    return inputs | dict(attention_mask=mask)
 
 
-def get_block_causal_mask(position_ids, attn_implementation, dtype):
-    """(batch, 1, query, key): True where the key is at or before the query, in the same example (the positions do
-    not restart between them)."""
-    example_ids = (position_ids == 0).cumsum(dim=1)
-    seq_length = position_ids.shape[1]
-    causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=position_ids.device).tril()
-    mask = (example_ids[:, None, :, None] == example_ids[:, None, None, :]) & causal
-    if attn_implementation == "eager":
-        # NOTE: eager attention adds its mask to the scores.
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-    return mask
-
-
-def count_label_tokens(step_inputs):
+def count_label_tokens(inputs):
     # NOTE: the model shifts the labels: a row's first label is no token's target.
-    num_label_tokens = sum((inputs["labels"][:, 1:] != -100).sum() for inputs in step_inputs)
-    dist.all_reduce(num_label_tokens)
-    return num_label_tokens
+    return (inputs["labels"][:, 1:] != -100).sum()
 
 
 def apply_activation_checkpointing(model):
@@ -565,20 +553,18 @@ def load_and_tokenize_dataset(args, tokenizer):
                 raw_splits["eval"] = load_raw_dataset(args.dataset_name, args.dataset_subset, args.eval_split)
         schema = find_schema(raw_splits["train"], args.text_column)
         if not args.eval_split and args.eval_fraction > 0:
-            num_examples = len(raw_splits["train"])
-            require(math.ceil(args.eval_fraction * num_examples) < num_examples, f"--eval-fraction "
-                    f"{args.eval_fraction} of {num_examples} examples leaves none to train on; pass --eval-fraction 0")
+            require(args.eval_fraction * len(raw_splits["train"]) < len(raw_splits["train"]) - 1,
+                    f"--eval-fraction {args.eval_fraction} leaves no example to train on; pass --eval-fraction 0")
             held_out = raw_splits["train"].train_test_split(test_size=args.eval_fraction, seed=args.seed)
             raw_splits = {"train": held_out["train"], "eval": held_out["test"]}
-        splits, summaries = {}, []
+        splits, summaries = {}, [f"schema {schema}"]
         for name, raw_dataset in raw_splits.items():
-            require(len(raw_dataset) > 0, f"the {name} split of -d {args.dataset_name} is empty; pass another split")
             splits[name], summary = tokenize_split(raw_dataset, schema, tokenizer, args)
-            summaries.append(f"{name} {summary}")
+            summaries.append(f"{name}: {len(splits[name])} rows of {summary}")
         # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         datasets.DatasetDict(splits).save_to_disk(temporary_dir)
-        (temporary_dir / "summary.txt").write_text(f"schema {schema}; {'; '.join(summaries)}")
+        (temporary_dir / "summary.txt").write_text("; ".join(summaries))
         try:
             os.replace(temporary_dir, cache_dir)
         except OSError:
@@ -622,7 +608,7 @@ def tokenize_split(raw_dataset, schema, tokenizer, args):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        return chunked, f"{len(raw_dataset)} texts, {len(chunked)} rows"
+        return chunked, f"{len(raw_dataset)} texts"
     require(schema != "messages" or tokenizer.chat_template, f"-d has messages, but -m {args.model_name} has no chat "
             "template; use a model that has one (an Instruct model), or prompt + completion columns")
     examples = raw_dataset.map(lambda example: dict(zip(["input_ids", "labels"], tokenize_example(
@@ -633,22 +619,15 @@ def tokenize_split(raw_dataset, schema, tokenizer, args):
     rows = fitting.map(lambda batch: pack_examples(batch["input_ids"], batch["labels"], args.seq_length,
                                                    tokenizer.eos_token_id),
                        batched=True, batch_size=10_000, remove_columns=fitting.column_names, desc="packing")
-    labelled = sum(int((batch["labels"] != -100).sum()) for batch in rows.with_format("numpy").iter(10_000))
-    return rows, (f"{len(examples)} examples ({len(examples) - len(fitting)} longer than --seq-length dropped) in "
-                  f"{len(rows)} rows, {labelled / (len(rows) * args.seq_length):.0%} of their tokens labelled")
+    return rows, f"{len(examples)} examples ({len(examples) - len(fitting)} longer than --seq-length dropped)"
 
 
 def tokenize_example(example, schema, tokenizer):
     """(input_ids, labels): the labels are the ids of the answer, -100 on the prompt."""
     if schema == "messages":
         return tokenize_conversation(example["messages"], tokenizer)
-    if schema == "alpaca":
-        prompt, completion = ALPACA_PROMPTS[bool(example.get("input"))].format_map(example), example["output"]
-    else:
-        prompt, completion = example["prompt"], example["completion"]
-    if isinstance(prompt, list):
-        # NOTE: TRL's conversational form: the prompt and the completion are lists of messages.
-        return tokenize_conversation(prompt + completion, tokenizer)
+    prompt, completion = (ALPACA_PROMPTS[bool(example.get("input"))].format_map(example), example["output"]) \
+        if schema == "alpaca" else (example["prompt"], example["completion"])
     prompt_ids = tokenizer(prompt)["input_ids"]
     completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return prompt_ids + completion_ids, [-100] * len(prompt_ids) + completion_ids
@@ -663,13 +642,13 @@ def tokenize_conversation(messages, tokenizer):
 
     input_ids, labels = [], []
     for end, message in enumerate(messages, start=1):
-        is_answer = message["role"] == "assistant"
-        prompt = [(render(messages[:end - 1], add_generation_prompt=True), False)] if is_answer and end > 1 else []
-        for rendered, trained in [*prompt, (render(messages[:end]), is_answer)]:
-            require(rendered[:len(input_ids)] == input_ids, "the chat template renders a conversation's start "
-                    "differently as it goes on, so its answers cannot be told apart; use prompt + completion columns")
-            labels += rendered[len(input_ids):] if trained else [-100] * (len(rendered) - len(input_ids))
-            input_ids = rendered
+        rendered = render(messages[:end])
+        require(rendered[:len(input_ids)] == input_ids, "the chat template renders a conversation's start "
+                "differently as it goes on, so its answers cannot be told apart; use prompt + completion columns")
+        is_answer = message["role"] == "assistant" and end > 1
+        answer_start = len(render(messages[:end - 1], add_generation_prompt=True)) if is_answer else len(rendered)
+        labels += [-100] * (answer_start - len(input_ids)) + rendered[answer_start:]
+        input_ids = rendered
     return input_ids, labels
 
 
@@ -677,24 +656,19 @@ def pack_examples(token_lists, label_lists, seq_length, pad_token_id):
     """Rows of seq_length tokens, whole examples in order, a new row when the next does not fit (greedy, as
     torchtitan's ChatDataset); positions restart at each example; the rest of a row is padding, labelled -100."""
     rows = {"input_ids": [], "labels": [], "position_ids": []}
-    row = {name: [] for name in rows}
-
-    def close_row():
-        padding = seq_length - len(row["input_ids"])
-        rows["input_ids"].append(row["input_ids"] + [pad_token_id] * padding)
-        rows["labels"].append(row["labels"] + [-100] * padding)
-        rows["position_ids"].append(row["position_ids"] + list(range(padding)))
-        row.update({name: [] for name in rows})
-
     for input_ids, labels in zip(token_lists, label_lists):
-        if len(row["input_ids"]) + len(input_ids) > seq_length:
-            close_row()
-        row["input_ids"] += input_ids
+        if not rows["input_ids"] or len(rows["input_ids"][-1]) + len(input_ids) > seq_length:
+            for row_lists in rows.values():
+                row_lists.append([])
+        rows["input_ids"][-1] += input_ids
         # NOTE: the model shifts the labels: an example's first token is never the previous example's target.
-        row["labels"] += [-100, *labels[1:]]
-        row["position_ids"] += range(len(input_ids))
-    if row["input_ids"]:
-        close_row()
+        rows["labels"][-1] += [-100, *labels[1:]]
+        rows["position_ids"][-1] += range(len(input_ids))
+    for input_ids, labels, position_ids in zip(*rows.values()):
+        padding = seq_length - len(input_ids)
+        input_ids += [pad_token_id] * padding
+        labels += [-100] * padding
+        position_ids += range(padding)
     return rows
 
 
@@ -730,12 +704,11 @@ def evaluate(model, eval_dataset, args, dtype, device, rank, world_size):
     rows = Subset(eval_dataset, range(rank, len(eval_dataset) // world_size * world_size, world_size))
     for batch in DataLoader(rows, batch_size=args.batch_size):
         inputs = get_model_inputs(batch, args.attn_implementation, dtype, device)
-        totals[0] += model(**inputs, num_items_in_batch=1, use_cache=False).loss
-        totals[1] += (inputs["labels"][:, 1:] != -100).sum()
+        totals += torch.stack([model(**inputs, num_items_in_batch=1, use_cache=False).loss, count_label_tokens(inputs)])
     dist.all_reduce(totals)
     model.train()
-    # NOTE: groups kept gathered after forward stay so until a backward, which an evaluation never runs; a checkpoint
-    # of a tied model then reads freed memory (a segfault, torch 2.13). Sharded again, as a training step leaves them.
+    # NOTE: groups kept gathered after forward stay so until a backward; a checkpoint of a tied model would then read
+    # freed memory (a segfault, torch 2.13). Sharded again, as a training step leaves them.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()

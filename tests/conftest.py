@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import BACKGROUND_RUNS, REPO, TINY_MODEL, BackgroundRun, SharedRuns, processes_with_marker, script
+from helpers import (BACKGROUND_RUNS, REPO, TINY_MODEL, BackgroundRun, FakeFlashAttention, SharedRuns,
+                     processes_with_marker, script)
 
 WARM_START = Path(__file__).resolve().parent / "warm_start"
 QUICK_START_TEST = "test_quick_start_command_trains_and_the_loss_falls"
@@ -162,6 +163,21 @@ def tied_model(session_dir):
         config["tie_word_embeddings"] = True
         (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+@pytest.fixture
+def fake_flash_attention(monkeypatch):
+    """transformers' flash-attention path calling FakeFlashAttention (helpers.py): flash-attn's functions computed by
+    SDPA on the CPU. Returns the fake, which counts the calls."""
+    import transformers.modeling_flash_attention_utils as flash_utils
+
+    fake = FakeFlashAttention()
+    process = flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func)
+    # NOTE: transformers 5.24 returns a pair of processing functions (plain, with a KV cache), 5.17 the plain one.
+    processes = (process, dict) if hasattr(flash_utils, "_process_with_kvcache_kwargs_fn") else process
+    monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
+        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None), processes))
+    return fake
 
 
 @pytest.fixture(scope="session")

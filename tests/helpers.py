@@ -457,6 +457,15 @@ def loss_and_weight_differences(experiment_a, experiment_b, checkpoint_name):
             largest_weight_difference(Path(experiment_a) / checkpoint_name, Path(experiment_b) / checkpoint_name))
 
 
+def model_without_chat_template(tmp_path):
+    """A copy of the tiny model's folder without its chat template."""
+    import shutil
+
+    model_dir = Path(tmp_path) / "no-chat-template"
+    shutil.copytree(TINY_MODEL, model_dir, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    return model_dir
+
+
 class FakeFlashAttention:
     """flash-attn's two functions, computed with PyTorch's SDPA on the CPU, in the (tokens, heads, head_dim) layout
     flash-attn uses: what transformers' flash-attention path calls, on a machine without flash-attn. Counts the

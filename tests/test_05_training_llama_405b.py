@@ -26,8 +26,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers import (CHAPTERS, COUNTING_RUN, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, PLAIN_TEXT, REPO, TINY_CHAT,
-                     TINY_MODEL, checkpoint_weights, counted, error_line, FakeFlashAttention, grad_norm_difference, load_script,
-                     logged_parameter_count, max_difference, read_losses, read_metrics, run, script, torchrun, train)
+                     TINY_MODEL, checkpoint_weights, counted, error_line, grad_norm_difference, load_script,
+                     logged_parameter_count, max_difference, model_without_chat_template, read_losses, read_metrics,
+                     run, script, torchrun, train)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
@@ -384,19 +385,14 @@ def test_a_folder_without_one_of_the_weights_gets_a_one_line_error(runs, env, tm
 
 
 
-def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers(monkeypatch):
+def test_flash_attention_at_batch_size_1_reads_nothing_on_the_host_in_the_layers(monkeypatch, fake_flash_attention):
     """transformers' flash-attention path, at batch size 1, checks position_ids for packed sequences in every layer
     (_is_packed_sequence), a host read: a sync per layer on a GPU. With the chapter's get_attention_kwargs() it does
     not check, and computes the same loss as SDPA, at batch size 1 and 4. Run with flash-attn's functions computed by
     SDPA on the CPU (FakeFlashAttention); the GPU check runs the real ones."""
     import transformers.modeling_flash_attention_utils as flash_utils
 
-    fake = FakeFlashAttention()
-    process = flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func)
-    # NOTE: transformers 5.24 returns a pair of processing functions (plain, with a KV cache), 5.17 the plain one.
-    processes = (process, dict) if hasattr(flash_utils, "_process_with_kvcache_kwargs_fn") else process
-    monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
-        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None), processes))
+    fake = fake_flash_attention
     packed_checks, host_reads = [], []
     is_packed_sequence, tensor_bool = flash_utils._is_packed_sequence, torch.Tensor.__bool__
     monkeypatch.setattr(flash_utils, "_is_packed_sequence",
@@ -546,7 +542,6 @@ def test_each_schema_labels_its_answers_and_nothing_else():
     cases = {
         "messages": ({"messages": first}, [f"{answer}{eos}\n"]),
         "prompt-completion": ({"prompt": question, "completion": answer}, [f"{answer}{eos}"]),
-        "prompt-completion, conversational": ({"prompt": first[:1], "completion": first[1:]}, [f"{answer}{eos}\n"]),
         "alpaca": ({"instruction": question, "input": "", "output": answer}, [f"{answer}{eos}"]),
         "alpaca with input": ({"instruction": "Answer.", "input": question, "output": answer}, [f"{answer}{eos}"]),
     }
@@ -573,17 +568,12 @@ def test_each_schema_labels_its_answers_and_nothing_else():
 
 
 # A packed row's summed loss against its examples' run one at a time, with each attention implementation (flash
-# attention's functions computed by SDPA on the CPU, as in the flash test below), and the row without the mask.
+# attention's functions computed by SDPA on the CPU: the fake_flash_attention fixture), and the row without the mask.
 # NOTE: in float64: in float32, adding ~1,000 nats in another order moves the mean by ~1e-6 whatever the attention.
-def test_a_packed_row_s_loss_is_its_examples_losses_each_run_alone(monkeypatch):
-    import transformers.modeling_flash_attention_utils as flash_utils
+def test_a_packed_row_s_loss_is_its_examples_losses_each_run_alone(fake_flash_attention):
     from transformers import AutoTokenizer
 
-    fake = FakeFlashAttention()
-    process = flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func)
-    processes = (process, dict) if hasattr(flash_utils, "_process_with_kvcache_kwargs_fn") else process
-    monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
-        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None), processes))
+    fake = fake_flash_attention
     chapter = load_script("05")
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
     examples = [chapter.tokenize_example({"messages": messages}, "messages", tokenizer)
@@ -661,17 +651,11 @@ def test_the_loss_per_token_of_the_global_batch_is_the_same_at_every_layout(runs
     assert "loss" in result.stdout and wrong_figures[0] > 1e-3 and wrong_figures[1] > GRAD_NORM_TOLERANCE
 
 
-def chat_without_template(tmp_path):
-    model_dir = tmp_path / "no-chat-template"
-    shutil.copytree(TINY_MODEL, model_dir, ignore=shutil.ignore_patterns("chat_template.jinja"))
-    return model_dir
-
-
 SFT_BAD_INPUTS = {
     "no schema": (lambda tmp_path: ["-d", write_jsonl(tmp_path / "qa.jsonl", [{"question": "Who?", "answer": "I."}])],
                   "error: no known columns (columns: {'question': 'string', 'answer': 'string'}); pass messages, "
                   "prompt + completion, instruction + output (alpaca) or a text column (--text-column)"),
-    "no chat template": (lambda tmp_path: ["-m", chat_without_template(tmp_path)],
+    "no chat template": (lambda tmp_path: ["-m", model_without_chat_template(tmp_path)],
                          "error: -d has messages, but -m {tmp_path}/no-chat-template has no chat template; use a "
                          "model that has one (an Instruct model), or prompt + completion columns"),
     "all too long": (lambda tmp_path: ["--seq-length", "16"],

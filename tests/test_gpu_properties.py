@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, FakeFlashAttention, load_script, read_metrics, script,
+from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, load_script, read_metrics, script,
                      torchrun, train)
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -116,7 +116,7 @@ def test_a_step_has_no_host_sync_only_bf16_matmuls_and_counts_each_token_once(en
     assert 0.5 < fraction / tokens <= 1.0, fraction / tokens
 
 
-def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monkeypatch):
+def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monkeypatch, fake_flash_attention):
     """transformers' flash-attention path, with flash-attn's functions computed by SDPA on the CPU (as in test_05),
     through chapter 05's attention_implementation() and get_attention_kwargs() (the chapter of the attention options):
     a forward and backward at batch size 1 and 2 give SDPA's loss, SDPA with no host sync, and flash attention with
@@ -125,14 +125,7 @@ def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monke
     NOTE: transformers picks the flash kernel by the implementation's name, which also names its mask function, and
     that reads position_ids on the host (masking_utils.find_packed_sequence_indices): no name or input skips it.
     """
-    import transformers.modeling_flash_attention_utils as flash_utils
-
-    fake = FakeFlashAttention()
-    process = flash_utils._lazy_define_process_function(fake.flash_attn_varlen_func)
-    # NOTE: transformers 5.24 returns a pair of processing functions (plain, with a KV cache), 5.17 the plain one.
-    processes = (process, dict) if hasattr(flash_utils, "_process_with_kvcache_kwargs_fn") else process
-    monkeypatch.setattr(flash_utils, "lazy_import_flash_attention", lambda *args, **kwargs: (
-        (fake.flash_attn_func, fake.flash_attn_varlen_func, None, None, None), processes))
+    fake = fake_flash_attention
     config = AutoConfig.from_pretrained(TINY_MODEL)
     chapter = load_script("05")
     torch.manual_seed(0)

@@ -4,14 +4,14 @@ chapter's checkpoint, dev/make_figures.py draws every figure the READMEs show (h
 import json
 import re
 import shlex
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script, run, train
+from helpers import (CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, load_script,
+                     model_without_chat_template, run, train)
 
 sys.path.insert(0, str(REPO / "tools"))
 TOOLS = REPO / "tools"
@@ -119,8 +119,7 @@ def test_generate_chat_asks_in_the_chat_template_and_prints_the_answer_only(env,
     answer = generate.sample(model, tokenizer, prompt, 8, 0, 50, torch.device("cpu"), chat=True)
     continued = generate.sample(model, tokenizer, rendered, 8, 0, 50, torch.device("cpu"))
     assert answer and continued == tokenizer.decode(tokenizer(rendered).input_ids, skip_special_tokens=True) + answer
-    no_template = tmp_path / "no-chat-template"
-    shutil.copytree(TINY_MODEL, no_template, ignore=shutil.ignore_patterns("chat_template.jinja"))
+    no_template = model_without_chat_template(tmp_path)
     result = run([sys.executable, TOOLS / "generate.py", "--untrained", "--chat", "-m", no_template], env, tmp_path,
                  check=False)
     assert result.returncode == 1 and error_line(result) == (
