@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (BACKGROUND_RUNS, REPO, TINY_MODEL, BackgroundRun, FakeFlashAttention, SharedRuns,
-                     processes_with_marker, script)
+from helpers import (BACKGROUND_RUNS, REPO, TINY_MODEL, FakeFlashAttention, SharedBackgroundRun, SharedRuns,
+                     in_background, processes_with_marker, script)
 
 WARM_START = Path(__file__).resolve().parent / "warm_start"
-QUICK_START_TEST = "test_quick_start_command_trains_and_the_loss_falls"
-QUICK_START_SELECTED = pytest.StashKey[bool]()
 SELECTED_FIXTURES = pytest.StashKey[set]()
+# pytest-xdist's worker ("gw0", ...) and the number of workers, in a parallel session (pytest.ini's -n).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+WORKER_COUNT = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 # The whole suite's budget on the 2-core CI machine: a run of every test that takes longer fails (pytest_sessionfinish).
 # NOTE: the target is 15 minutes, not yet reached (tests/README.md's table): the budget sits above today's total, so
 # growth fails CI; lower it with every speed-up.
@@ -35,13 +36,27 @@ TIMES_FILE = Path(__file__).resolve().parent / "times.json"
 TIMES = {"started": time.monotonic(), "deselected": 0, "selected": -1, "tests": {}}
 
 
+def pytest_xdist_auto_num_workers(config):
+    """pytest.ini's `-n auto`: a worker per two cores (each test's jobs run 2 to 8 processes), 2 to 8 workers."""
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests marked `last` run after all the others: the quick start's, whose run trains in the background meanwhile
-    (the quick_start fixture), which is started only when its test is selected."""
+    (the `background` fixture). In a parallel session a file's tests run on one worker (its module-scoped runs are
+    made once), and the `last` tests after every file (pytest.ini's --dist loadgroup)."""
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)
-    config.stash[QUICK_START_SELECTED] = any(item.name == QUICK_START_TEST for item in items)
+    for item in items:
+        last = item.get_closest_marker("last") is not None
+        item.add_marker(pytest.mark.xdist_group("last" if last else item.nodeid.split("::")[0]))
     config.stash[SELECTED_FIXTURES] = {name for item in items for name in getattr(item, "fixturenames", ())}
     TIMES["selected"] = len(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    TIMES["selected"] = len(ids)
 
 
 def pytest_deselected(items):
@@ -49,8 +64,10 @@ def pytest_deselected(items):
 
 
 def pytest_runtest_logreport(report):
-    """Each test's time (setup, call and teardown: a shared run counts for the test that first asks for it)."""
-    TIMES["tests"][report.nodeid] = TIMES["tests"].get(report.nodeid, 0.0) + report.duration
+    """Each test's time (setup, call and teardown: a shared run counts for the test that first asks for it), without
+    the "@group" pytest-xdist appends to its name."""
+    nodeid = report.nodeid.split("@")[0]
+    TIMES["tests"][nodeid] = TIMES["tests"].get(nodeid, 0.0) + report.duration
 
 
 def the_whole_suite_ran(session):
@@ -59,15 +76,15 @@ def the_whole_suite_ran(session):
     tests_dir = Path(__file__).resolve().parent
     paths = [(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args]
     return (times["deselected"] == 0 and not session.shouldfail and not session.shouldstop
-            and not config.option.keyword and not config.option.markexpr and paths == [tests_dir]
-            and len(times["tests"]) == times["selected"])
+            and not config.option.keyword and not config.option.markexpr and not config.option.deselect
+            and paths == [tests_dir] and len(times["tests"]) == times["selected"])
 
 
 def pytest_sessionfinish(session, exitstatus):
     """After a run of the whole suite: each file's time into tests/times.json (tests/time_table.py turns it into
     the table of tests/README.md), and a failure if the suite took longer than SUITE_BUDGET_S."""
     times = TIMES
-    if not the_whole_suite_ran(session):
+    if WORKER is not None or not the_whole_suite_ran(session):
         return
     total = time.monotonic() - times["started"]
     files = {}
@@ -77,6 +94,7 @@ def pytest_sessionfinish(session, exitstatus):
     TIMES_FILE.write_text(json.dumps({
         "total_s": round(total, 1), "tests": len(times["tests"]), "budget_s": SUITE_BUDGET_S,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "warm_start": os.environ.get("WARM_START") != "0",
+        "workers": getattr(session.config.option, "numprocesses", None) or 1,
         "files": {name: round(seconds, 1) for name, seconds in sorted(files.items())},
         "slowest": [[nodeid, round(seconds, 1)] for nodeid, seconds in slowest]}, indent=1) + "\n")
     if total > SUITE_BUDGET_S:
@@ -94,7 +112,17 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory):
+    """This worker's scratch folder: its warm-start server, its caches."""
     return tmp_path_factory.mktemp("session")
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory):
+    """The folder every worker of a parallel session shares (this session's own when it is not parallel)."""
+    root = tmp_path_factory.getbasetemp()
+    folder = (root.parent if WORKER is not None else root) / "shared"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 def session_environment(session_dir):
@@ -181,48 +209,48 @@ def fake_flash_attention(monkeypatch):
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """The runs several tests compare against, each made once per session when a test first asks for it: chapter
-    01's reference runs, and a chapter's runs that several of its tests read (SharedRuns)."""
-    return SharedRuns(tmp_path_factory.mktemp("runs"))
+def runs(shared_dir):
+    """The runs several tests compare against, each made once per session (by the first worker to ask, in a parallel
+    one): chapter 01's reference runs, and a chapter's runs that several of its tests read (SharedRuns)."""
+    (shared_dir / "runs").mkdir(exist_ok=True)
+    return SharedRuns(shared_dir / "runs")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def quick_start(request, session_dir):
+def quick_start_environment(environment):
     """Chapter 01's quick start: the README's command as written, run from a scratch folder (its outputs/ land there)
-    on every core, as a reader runs it (without the OMP_NUM_THREADS=1 of the suite's other processes).
+    on every core and cold, as a reader runs it (without the OMP_NUM_THREADS=1 of the suite's other processes)."""
+    return {**{name: value for name, value in environment.items() if name != "OMP_NUM_THREADS"},
+            "WANDB_MODE": "offline"}
 
-    It starts with the session, niced: it trains on the cores the other tests leave idle (a one-process test keeps
-    one of the two busy), and its test, which runs last, waits for it. Started only when that test is selected.
-    """
-    if not request.config.stash.get(QUICK_START_SELECTED, False):
-        yield None
-        return
-    folder = session_dir / "quick-start"
-    folder.mkdir()
-    environment = {name: value for name, value in session_environment(session_dir).items()
-                   if name != "OMP_NUM_THREADS"}
-    environment.update(WANDB_MODE="offline", TEST_PROCESS_MARKER=uuid.uuid4().hex)
-    background = BackgroundRun([sys.executable, script("01")], environment, folder, nice=19)
-    yield background
-    background.stop()
+
+in_background("quick-start", "quick_start", lambda folder: [sys.executable, script("01")], quick_start_environment)
+
+
+@pytest.fixture(scope="session")
+def quick_start(background):
+    return background["quick-start"][0]
 
 
 @pytest.fixture(scope="session", autouse=True)
-def background(request, session_dir):
-    """The background runs of helpers.BACKGROUND_RUNS whose tests are selected, started now: {name: (BackgroundRun,
-    its output folder)}. Niced, and so are the processes they start warm (tests/warm_start passes the niceness on):
-    they take a core only when the tests leave it idle, and a test that reads one waits for it."""
+def background(request, session_dir, shared_dir):
+    """The background runs of helpers.BACKGROUND_RUNS whose tests are selected, started now (in a parallel session,
+    by the first worker to claim each): {name: (SharedBackgroundRun, its folder)}. Niced, and so are the processes
+    they start warm (tests/warm_start passes the niceness on): they take a core only when the tests leave it idle,
+    and a test that reads one waits for it."""
     selected = request.config.stash.get(SELECTED_FIXTURES, set())
-    wanted = {name: command for name, (fixture, command) in BACKGROUND_RUNS.items() if fixture in selected}
+    wanted = {name: entry for name, entry in BACKGROUND_RUNS.items() if entry[0] in selected}
     started = {}
-    if wanted:
-        warm = request.getfixturevalue("warm_start")
-        for name, command in wanted.items():
-            folder = session_dir / "background" / name
-            folder.mkdir(parents=True)
-            environment = {**session_environment(session_dir), **warm, "TEST_PROCESS_MARKER": uuid.uuid4().hex}
-            started[name] = (BackgroundRun(command(folder), environment, REPO, nice=19), folder)
+    for name, (_, command, environment) in wanted.items():
+        folder = shared_dir / "background" / name
+        if environment is None:
+            run_env = {**session_environment(session_dir), **request.getfixturevalue("warm_start")}
+        else:
+            run_env = environment(session_environment(session_dir))
+        run_env["TEST_PROCESS_MARKER"] = uuid.uuid4().hex
+        cwd = REPO if environment is None else folder
+        started[name] = (SharedBackgroundRun(folder, command(folder), run_env, cwd, nice=19), folder)
     yield started
+    (shared_dir / f"done-{WORKER}").touch()
+    others = [shared_dir / f"done-gw{index}" for index in range(WORKER_COUNT) if WORKER not in (None, f"gw{index}")]
     for run, _ in started.values():
-        run.stop()
+        run.stop(others_done=lambda: all(path.exists() for path in others))

@@ -4,6 +4,7 @@ Every process a test starts runs in a session of its own with a deadline, and th
 test is done with it, so a hung or crashed distributed job never outlives its test.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -69,8 +70,10 @@ def run(command, env, cwd, timeout=300, check=True):
 BACKGROUND_RUNS = {}
 
 
-def in_background(name, fixture, command):
-    BACKGROUND_RUNS[name] = (fixture, command)
+def in_background(name, fixture, command, environment=None):
+    """A run that starts with the session when a selected test asks for fixture (conftest.py's `background`):
+    command(folder) runs in folder, with environment(the session's environment) if given, else warm-started."""
+    BACKGROUND_RUNS[name] = (fixture, command, environment)
 
 
 class BackgroundRun:
@@ -106,6 +109,64 @@ class BackgroundRun:
     def stop(self):
         stop_everything(self.process, self.env)
         self.process.wait()
+
+
+class SharedBackgroundRun:
+    """A BackgroundRun that the workers of a parallel session (pytest-xdist) share through a folder: the first worker
+    to claim the folder starts the run and writes its result there; a test on any worker waits for that result."""
+
+    def __init__(self, folder, command, env, cwd, nice=0):
+        import threading
+
+        self.folder, self.cwd, self.run = Path(folder), Path(cwd), None
+        self.result_file = self.folder / "result.json"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(self.folder / "claimed", os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
+        self.run = BackgroundRun(command, env, cwd, nice)
+        (self.folder / "pid").write_text(str(self.run.process.pid))
+        self.watcher = threading.Thread(target=self._write_result, daemon=True)
+        self.watcher.start()
+
+    def _write_result(self):
+        self.run.process.wait()
+        stdout, stderr = self.run.output()
+        partial = self.folder / "result.partial"
+        partial.write_text(json.dumps([self.run.command, self.run.process.returncode, stdout, stderr]))
+        partial.rename(self.result_file)
+
+    def wait(self, timeout):
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not (self.folder / "pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if not self.result_file.exists() and (self.folder / "pid").exists():
+            hurry(int((self.folder / "pid").read_text()))
+        while not self.result_file.exists():
+            if time.monotonic() > deadline:
+                if self.run is None:
+                    raise AssertionError(f"timed out after {timeout}s: the run of {self.folder}, which another "
+                                         f"worker started")
+                stacks = stack_dumps(self.run.env, self.run.stdout)
+                self.run.stop()
+                raise AssertionError(f"timed out after {timeout}s: {self.run.command}\n"
+                                     f"{self.run.output()[1][-3000:]}\n--- stacks\n{stacks}")
+            time.sleep(0.2)
+        return subprocess.CompletedProcess(*json.loads(self.result_file.read_text()))
+
+    def stop(self, others_done):
+        """At the end of this worker's session: the run is stopped once it is over or every other worker is done
+        (none can read it any more)."""
+        import time
+
+        if self.run is not None:
+            while self.run.process.poll() is None and not others_done():
+                time.sleep(1)
+            self.run.stop()
+            self.watcher.join(timeout=60)
 
 
 def be_nice(nice):
@@ -319,6 +380,7 @@ class SharedRuns:
 
     def train(self, chapter, env, *args, nproc=None, launcher=None):
         """Like train(): returns (result, experiment directory), from the first call with the same arguments."""
+        import pickle
         import shutil
         import zlib
 
@@ -327,10 +389,27 @@ class SharedRuns:
             # NOTE: named by its key and started afresh: a run that failed can leave its folder, with a checkpoint,
             # which a run of another key (or of this one, asked again) would otherwise resume from.
             experiment = f"{chapter}-run-{zlib.crc32(repr(key).encode()):08x}"
-            shutil.rmtree(self.workdir / "outputs" / experiment, ignore_errors=True)
-            self.results[key] = train(chapter, env, self.workdir, *args, nproc=nproc, experiment=experiment,
-                                      launcher=launcher)
+            saved = self.workdir / f"{experiment}.pickle"
+            # NOTE: the workers of a parallel session share workdir: the first to ask runs it, the others wait for it.
+            with locked(self.workdir / f"{experiment}.lock"):
+                if saved.exists():
+                    self.results[key] = pickle.loads(saved.read_bytes())
+                else:
+                    shutil.rmtree(self.workdir / "outputs" / experiment, ignore_errors=True)
+                    self.results[key] = train(chapter, env, self.workdir, *args, nproc=nproc, experiment=experiment,
+                                              launcher=launcher)
+                    saved.write_bytes(pickle.dumps(self.results[key]))
         return self.results[key]
+
+
+@contextlib.contextmanager
+def locked(path):
+    """An exclusive lock on the file path (created if missing), held for the block, across processes."""
+    import fcntl
+
+    with open(path, "a") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        yield
 
 
 def largest_weight_difference(checkpoint_a, checkpoint_b):
