@@ -22,10 +22,17 @@ def table(times):
     for name, seconds in files:
         lines.append(f"| `{Path(name).name}` | {seconds:,.0f} | {seconds / tests_total:.0%} |")
     lines += [f"| **pytest, in all** | **{times['total_s']:,.0f}** | |", "",
-              f"{times['tests']} tests on {times['machine']}, warm start {'on' if times['warm_start'] else 'off'}; "
+              f"{times['tests']} tests on {times['machine']}, {workers(times)}, warm start "
+              f"{'on' if times['warm_start'] else 'off'}; "
               f"that run's budget was {times['budget_s']:,} s (conftest.py's `SUITE_BUDGET_S`). The slowest tests:", ""]
     lines += [f"* {seconds:,.0f} s `{nodeid.replace('tests/', '', 1)}`" for nodeid, seconds in times["slowest"][:8]]
     return "\n".join([*lines, "", END])
+
+
+def workers(times):
+    count = times.get("workers", 1)
+    return "in one process" if count == 1 else (f"{count} pytest-xdist workers (a file's seconds are its tests', run "
+                                                f"beside another worker's)")
 
 
 def main():
