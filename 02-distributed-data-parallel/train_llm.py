@@ -230,7 +230,7 @@ def require(condition, message):
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
     # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
-    # NOTE: every rank that fails prints it: one line per rank, not a traceback per rank.
+    # NOTE: every rank that fails prints its line.
     try:
         yield
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
@@ -255,8 +255,7 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes alone while the others wait, in a gloo group with a day's timeout (longer
-    # than --dist-timeout); if it stops, it sends them its error and they stop with it.
+    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -278,8 +277,8 @@ def rank_zero_first():
 
 
 def attention_implementation(config, seq_length):
-    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True,
-    # blind to a sliding window: the same attention only while no sequence is longer than the window.
+    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
+    # window: the same attention while no sequence outgrows the window.
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
             f"{window}; use at most {window}")
@@ -433,7 +432,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
 
 
 # NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
+# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 

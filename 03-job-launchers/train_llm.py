@@ -233,7 +233,7 @@ def require(condition, message):
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
     # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
-    # NOTE: every rank that fails prints it: one line per rank, not a traceback per rank.
+    # NOTE: every rank that fails prints its line.
     try:
         yield
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
@@ -242,8 +242,8 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets the variables init_process_group() reads; srun's and mpirun's are translated here (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python train_llm.py` is a world of one.
+    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
+    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -296,7 +296,7 @@ def setup_logging(rank):
 
 def get_device(local_rank):
     # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
-    # NOTE: srun binds one GPU to each task with Slurm's --gpus-per-task=1.
+    # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
@@ -307,8 +307,7 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes alone while the others wait, in a gloo group with a day's timeout (longer
-    # than --dist-timeout); if it stops, it sends them its error and they stop with it.
+    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -330,8 +329,8 @@ def rank_zero_first():
 
 
 def attention_implementation(config, seq_length):
-    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True,
-    # blind to a sliding window: the same attention only while no sequence is longer than the window.
+    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
+    # window: the same attention while no sequence outgrows the window.
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
             f"{window}; use at most {window}")
@@ -485,7 +484,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
 
 
 # NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
+# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 

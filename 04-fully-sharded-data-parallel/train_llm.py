@@ -74,8 +74,8 @@ def main():
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
-    # to_empty() allocates only this rank's shards, and init_weights() fills them.
+    # NOTE: on the meta device, parameters have shapes but no memory; sharded, to_empty() allocates only this rank's
+    # shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
@@ -241,7 +241,7 @@ def require(condition, message):
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
     # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
-    # NOTE: every rank that fails prints it: one line per rank, not a traceback per rank.
+    # NOTE: every rank that fails prints its line.
     try:
         yield
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
@@ -250,8 +250,8 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets the variables init_process_group() reads; srun's and mpirun's are translated here (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python train_llm.py` is a world of one.
+    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
+    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -304,7 +304,7 @@ def setup_logging(rank):
 
 def get_device(local_rank):
     # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
-    # NOTE: srun binds one GPU to each task with Slurm's --gpus-per-task=1.
+    # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
@@ -315,8 +315,7 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes alone while the others wait, in a gloo group with a day's timeout (longer
-    # than --dist-timeout); if it stops, it sends them its error and they stop with it.
+    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -338,8 +337,8 @@ def rank_zero_first():
 
 
 def attention_implementation(config, seq_length):
-    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True,
-    # blind to a sliding window: the same attention only while no sequence is longer than the window.
+    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
+    # window: the same attention while no sequence outgrows the window.
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
             f"{window}; use at most {window}")
@@ -348,8 +347,8 @@ def attention_implementation(config, seq_length):
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
-    # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
-    # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
+    # NOTE: a group is all-gathered (its gradients reduce-scattered) in one collective: a group per layer keeps a
+    # layer or two whole at a time, the next one prefetched while one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
     fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -522,7 +521,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
 
 
 # NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
+# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 

@@ -82,8 +82,8 @@ def main():
     mesh = init_device_mesh(device.type, (args.pp, world_size // args.pp), mesh_dim_names=("pp", "dp"))
     pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
-    # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
-    # to_empty() allocates only this rank's shards, and init_weights() fills them.
+    # NOTE: on the meta device, parameters have shapes but no memory; sharded, to_empty() allocates only this rank's
+    # shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
@@ -275,7 +275,7 @@ def require(condition, message):
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
     # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
-    # NOTE: every rank that fails prints it: one line per rank, not a traceback per rank.
+    # NOTE: every rank that fails prints its line.
     try:
         yield
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
@@ -284,8 +284,8 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets the variables init_process_group() reads; srun's and mpirun's are translated here (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python train_llm.py` is a world of one.
+    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
+    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -338,7 +338,7 @@ def setup_logging(rank):
 
 def get_device(local_rank):
     # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
-    # NOTE: srun binds one GPU to each task with Slurm's --gpus-per-task=1.
+    # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
@@ -349,8 +349,7 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes alone while the others wait, in a gloo group with a day's timeout (longer
-    # than --dist-timeout); if it stops, it sends them its error and they stop with it.
+    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -372,8 +371,8 @@ def rank_zero_first():
 
 
 def attention_implementation(config, seq_length):
-    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True,
-    # blind to a sliding window: the same attention only while no sequence is longer than the window.
+    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
+    # window: the same attention while no sequence outgrows the window.
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
             f"{window}; use at most {window}")
@@ -413,8 +412,8 @@ def check_pipeline_layout(args, world_size, config):
 
 
 def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
-    # NOTE: rank r keeps stages r, r + pp_degree, ... (the interleaved order); the others' modules become None. Its
-    # modules keep the whole model's names (model.layers.5...), which init_weights() and the checkpoints go by.
+    # NOTE: rank r keeps stages r, r + pp_degree, ... (interleaved), the rest become None; names stay the whole
+    # model's (model.layers.5...), as init_weights() and the checkpoints need.
     num_stages = pp_degree * stages_per_rank
     num_layers = model.config.num_hidden_layers
     # NOTE: the first num_layers % num_stages stages get one layer more than the others.
@@ -449,17 +448,16 @@ class DecoderStage(torch.nn.Module):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(hidden_states)
         # NOTE: the rotary embeddings at the positions the stage is given; no mask: the attention is causal by itself.
-        position_ids = self.position_ids
-        position_embeddings = self.rotary_emb(hidden_states, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(hidden_states, position_ids=self.position_ids)
         for layer in self.layers.values():
-            hidden_states = layer(hidden_states, position_ids=position_ids, position_embeddings=position_embeddings,
-                                  use_cache=False)
+            hidden_states = layer(hidden_states, position_ids=self.position_ids,
+                                  position_embeddings=position_embeddings, use_cache=False)
         return hidden_states if self.lm_head is None else self.lm_head(self.norm(hidden_states))
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
-    # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
-    # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
+    # NOTE: a group is all-gathered (its gradients reduce-scattered) in one collective: a group per layer keeps a
+    # layer or two whole at a time, the next one prefetched while one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
     fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -637,7 +635,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
 
 
 # NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
+# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -758,8 +756,8 @@ class FSDPPipelineStage(PipelineStage):
 
 @torch.no_grad()
 def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
-    # NOTE: clip_grad_norm_() sees this rank's stages only: each would clip by its own norm, silently. The stages'
-    # squared norms add up to the whole model's (as in torchtitan).
+    # NOTE: clip_grad_norm_() sees this rank's stages only and would clip each by its own norm; the stages' squared
+    # norms add up to the model's (as in torchtitan).
     parameters = list(parameters)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
     # NOTE: the gradients are FSDP shards (DTensors), and so is their norm: full_tensor() combines the shards'.

@@ -81,8 +81,8 @@ def main():
     # NOTE: the attention modules call the function registered under this name: the model's code is untouched.
     attn_implementation = attention_implementation(config, args.seq_length) if args.cp == 1 else \
         register_context_parallel_attention(args.cp_attention, cp_mesh, load_balance)
-    # NOTE: on the meta device, parameters have shapes but no memory: a 405B model is "built" in a second. Sharded,
-    # to_empty() allocates only this rank's shards, and init_weights() fills them.
+    # NOTE: on the meta device, parameters have shapes but no memory; sharded, to_empty() allocates only this rank's
+    # shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attn_implementation, dtype=torch.float32)
@@ -256,7 +256,7 @@ def require(condition, message):
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
     # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
-    # NOTE: every rank that fails prints it: one line per rank, not a traceback per rank.
+    # NOTE: every rank that fails prints its line.
     try:
         yield
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetsError) as error:
@@ -265,8 +265,8 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets the variables init_process_group() reads; srun's and mpirun's are translated here (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python train_llm.py` is a world of one.
+    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
+    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -319,7 +319,7 @@ def setup_logging(rank):
 
 def get_device(local_rank):
     # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
-    # NOTE: srun binds one GPU to each task with Slurm's --gpus-per-task=1.
+    # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
@@ -330,8 +330,7 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes alone while the others wait, in a gloo group with a day's timeout (longer
-    # than --dist-timeout); if it stops, it sends them its error and they stop with it.
+    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -353,8 +352,8 @@ def rank_zero_first():
 
 
 def attention_implementation(config, seq_length):
-    # NOTE: "sdpa" reads position_ids on the host for its mask, a sync per forward; this name runs is_causal=True,
-    # blind to a sliding window: the same attention only while no sequence is longer than the window.
+    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
+    # window: the same attention while no sequence outgrows the window.
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
             f"{window}; use at most {window}")
@@ -377,8 +376,6 @@ def check_context_parallel(args, config):
             f"(--cp {args.cp}, load balancing {args.cp_load_balance}); use a multiple of {chunks}")
     require(args.cp_attention != "all-to-all" or config.num_key_value_heads % args.cp == 0,
             f"{config.num_key_value_heads} key/value heads do not divide into --cp {args.cp}; use --cp-attention ring")
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    require(not window, f"the model has sliding-window attention ({window}); use a model with full causal attention")
     require(not getattr(config, "attention_dropout", 0.0), "the model has attention dropout; set it to 0 in its config")
 
 
@@ -390,8 +387,8 @@ def register_context_parallel_attention(cp_attention, cp_mesh, load_balance):
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
-    # NOTE: a group is all-gathered, and its gradients reduce-scattered, in one collective: a group per layer keeps
-    # one or two layers whole at a time, and FSDP prefetches the next while the current one computes.
+    # NOTE: a group is all-gathered (its gradients reduce-scattered) in one collective: a group per layer keeps a
+    # layer or two whole at a time, the next one prefetched while one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
     fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -401,8 +398,8 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
         # its backward comes right after. The root group stays gathered for the same reason.
         fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
-    # NOTE: each rank's loss is already its share of the global mean: sum the gradients, not average them, with a
-    # plain SUM (FSDP would otherwise use NCCL's premultiplied sum, which gloo lacks).
+    # NOTE: each rank's loss is its share of the global mean: a plain SUM of the gradients (not FSDP's average, nor
+    # NCCL's premultiplied sum, which gloo lacks).
     for module in [*layers, model]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
@@ -786,7 +783,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
 
 
 # NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is the process's own GPU: a run may resume with fewer GPUs visible.
+# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
