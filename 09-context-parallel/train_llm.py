@@ -376,6 +376,8 @@ def check_context_parallel(args, config):
             f"(--cp {args.cp}, load balancing {args.cp_load_balance}); use a multiple of {chunks}")
     require(args.cp_attention != "all-to-all" or config.num_key_value_heads % args.cp == 0,
             f"{config.num_key_value_heads} key/value heads do not divide into --cp {args.cp}; use --cp-attention ring")
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    require(not window, f"the model has sliding-window attention ({window}); use a model with full causal attention")
     require(not getattr(config, "attention_dropout", 0.0), "the model has attention dropout; set it to 0 in its config")
 
 
