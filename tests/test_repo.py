@@ -377,22 +377,23 @@ def test_the_repository_layout_lists_every_folder():
     assert len(folders) >= 15 and set(folders) <= listed, f"README.md's layout leaves out {sorted(set(folders) - listed)}"
 
 
-def warm_served(env):
-    """The commands the warm-start server ran, as {pid: argv}."""
+def warm_served(env, workdir):
+    """The commands the warm-start server ran in workdir or with it in their arguments, as {pid: argv}. The server
+    is the session's: other workers' tests run through it at the same time."""
     served = Path(env["WARM_START_SOCKET"] + ".served.jsonl")
-    return {record["pid"]: record["argv"] for record in map(json.loads, served.read_text().splitlines())}
+    return {record["pid"]: record["argv"] for record in map(json.loads, served.read_text().splitlines())
+            if str(workdir) in " ".join([record["cwd"], *record["argv"]])}
 
 
 def test_a_warm_started_job_is_the_job_a_cold_start_runs(env, tmp_path):
     if "WARM_START_SOCKET" not in env:
         pytest.skip("WARM_START=0: every process starts cold")
     cold_env = cold_start(env)
-    served_before = set(warm_served(env))
     cold, cold_dir = train("02", cold_env, tmp_path, "--max-steps", "3", nproc=2, experiment="cold")
-    assert set(warm_served(env)) == served_before, "a process started without WARM_START_SOCKET ran warm"
+    assert warm_served(env, tmp_path) == {}, "a process started without WARM_START_SOCKET ran warm"
     warm, warm_dir = train("02", env, tmp_path, "--max-steps", "3", nproc=2, experiment="warm")
     # NOTE: torchrun and both of its workers ran in processes forked from the server.
-    served = [argv for pid, argv in warm_served(env).items() if pid not in served_before]
+    served = list(warm_served(env, tmp_path).values())
     assert len(served) == 3 and sum(str(script("02")) in " ".join(argv) for argv in served) == 3, served
     for cold_record, warm_record in zip(read_metrics(cold_dir), read_metrics(warm_dir), strict=True):
         assert (cold_record["loss"], cold_record["grad_norm"]) == (warm_record["loss"], warm_record["grad_norm"])
@@ -425,7 +426,7 @@ def test_a_warm_started_process_exits_and_dies_as_a_cold_one(env, tmp_path):
     assert waiting.wait(timeout=30) == -signal.SIGTERM
     waiting.stdout.close()
     assert (tmp_path / "ran.txt").read_text() == "exits.py\ndies.py\nwaits.py\n"
-    served = [" ".join(argv) for argv in warm_served(env).values()]
+    served = [" ".join(argv) for argv in warm_served(env, tmp_path).values()]
     assert [sum(name in argv for argv in served) for name in ["exits.py", "dies.py", "waits.py"]] == [1, 1, 1]
 
 
@@ -435,7 +436,6 @@ def test_the_warm_start_server_outlives_clients_killed_at_any_point(env, tmp_pat
     (tmp_path / "waits.py").write_text("import time; time.sleep(60)\n")
     request = {"argv": ["waits.py"], "path": str(tmp_path / "waits.py"), "module": None, "cwd": str(tmp_path),
                "env": env, "sys_path": sys.path, "nice": 0}
-    served_before = set(warm_served(env))
     # NOTE: gone mid-request; gone before the answer (ECONNRESET at the server); a signal in the request's packet
     for message in [b'{"argv": ', json.dumps(request).encode() + b"\n",
                     json.dumps(request).encode() + b"\n" + b'{"signal": 15}\n']:
@@ -447,7 +447,7 @@ def test_the_warm_start_server_outlives_clients_killed_at_any_point(env, tmp_pat
                 reader = client.makefile()
                 assert json.loads(reader.readline())["pid"] > 0
                 assert json.loads(reader.readline()) == {"signal": signal.SIGTERM}
-    new = [pid for pid in warm_served(env) if pid not in served_before]
+    new = list(warm_served(env, tmp_path))
     assert len(new) == 2
     deadline = time.monotonic() + 30
     while any(Path(f"/proc/{pid}").exists() for pid in new) and time.monotonic() < deadline:
@@ -455,7 +455,8 @@ def test_the_warm_start_server_outlives_clients_killed_at_any_point(env, tmp_pat
     assert not any(Path(f"/proc/{pid}").exists() for pid in new)
     (tmp_path / "exits.py").write_text("import sys; sys.exit(4)\n")
     assert run([sys.executable, tmp_path / "exits.py"], env, tmp_path, check=False).returncode == 4
-    assert any("exits.py" in " ".join(argv) for argv in warm_served(env).values()), "the server stopped serving"
+    served = [" ".join(argv) for argv in warm_served(env, tmp_path).values()]
+    assert any("exits.py" in argv for argv in served), "the server stopped serving"
 
 
 def render_problems(text):
