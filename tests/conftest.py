@@ -90,13 +90,13 @@ def pytest_sessionfinish(session, exitstatus):
     files = {}
     for nodeid, seconds in times["tests"].items():
         files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
-    slowest = sorted(times["tests"].items(), key=lambda item: -item[1])[:15]
+    slowest = sorted(times["tests"].items(), key=lambda item: -item[1])  # NOTE: every test, to find the work to cut
     TIMES_FILE.write_text(json.dumps({
         "total_s": round(total, 1), "tests": len(times["tests"]), "budget_s": SUITE_BUDGET_S,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "warm_start": os.environ.get("WARM_START") != "0",
         "workers": getattr(session.config.option, "numprocesses", None) or 1,
         "files": {name: round(seconds, 1) for name, seconds in sorted(files.items())},
-        "slowest": [[nodeid, round(seconds, 1)] for nodeid, seconds in slowest]}, indent=1) + "\n")
+        "slowest": {nodeid: round(seconds, 1) for nodeid, seconds in slowest}}, indent=1) + "\n")
     if total > SUITE_BUDGET_S:
         times["over_budget"] = total
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -223,7 +223,10 @@ def quick_start_environment(environment):
             "WANDB_MODE": "offline"}
 
 
-in_background("quick-start", "quick_start", lambda folder: [sys.executable, script("01")], quick_start_environment)
+# NOTE: not niced: the last test waits for it, and niced it got so little of the busy cores that it ran on at the end
+# for two minutes, with the other worker done and idle.
+in_background("quick-start", "quick_start", lambda folder: [sys.executable, script("01")], quick_start_environment,
+              nice=0)
 
 
 @pytest.fixture(scope="session")
@@ -234,13 +237,13 @@ def quick_start(background):
 @pytest.fixture(scope="session", autouse=True)
 def background(request, session_dir, shared_dir):
     """The background runs of helpers.BACKGROUND_RUNS whose tests are selected, started now (in a parallel session,
-    by the first worker to claim each): {name: (SharedBackgroundRun, its folder)}. Niced, and so are the processes
-    they start warm (tests/warm_start passes the niceness on): they take a core only when the tests leave it idle,
-    and a test that reads one waits for it."""
+    by the first worker to claim each): {name: (SharedBackgroundRun, its folder)}. Niced (all but the quick start),
+    and so are the processes they start warm (tests/warm_start passes the niceness on): they take a core only when
+    the tests leave it idle, and a test that reads one waits for it."""
     selected = request.config.stash.get(SELECTED_FIXTURES, set())
     wanted = {name: entry for name, entry in BACKGROUND_RUNS.items() if entry[0] in selected}
     started = {}
-    for name, (_, command, environment) in wanted.items():
+    for name, (_, command, environment, nice) in wanted.items():
         folder = shared_dir / "background" / name
         if environment is None:
             run_env = {**session_environment(session_dir), **request.getfixturevalue("warm_start")}
@@ -248,7 +251,7 @@ def background(request, session_dir, shared_dir):
             run_env = environment(session_environment(session_dir))
         run_env["TEST_PROCESS_MARKER"] = uuid.uuid4().hex
         cwd = REPO if environment is None else folder
-        started[name] = (SharedBackgroundRun(folder, command(folder), run_env, cwd, nice=19), folder)
+        started[name] = (SharedBackgroundRun(folder, command(folder), run_env, cwd, nice=nice), folder)
     yield started
     (shared_dir / f"done-{WORKER}").touch()
     others = [shared_dir / f"done-gw{index}" for index in range(WORKER_COUNT) if WORKER not in (None, f"gw{index}")]

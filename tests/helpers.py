@@ -63,17 +63,18 @@ def run(command, env, cwd, timeout=300, check=True):
     return result
 
 
-# Commands that start with the session, niced, and run on the cores the tests leave idle (a one-process test keeps
-# one of the two busy), for tests that come later to read: name -> (the fixture through which tests read it, a
-# function of its output folder that gives the command). Registered by a test file at import (in_background), started
-# by conftest.py's `background` fixture when a selected test uses that fixture.
+# Commands that start with the session, niced (unless nice=0), and run on the cores the tests leave idle (a
+# one-process test keeps one of the two busy), for tests that come later to read: name -> (the fixture through which
+# tests read it, a function of its output folder that gives the command, its environment, its niceness). Registered by
+# a test file at import (in_background), started by conftest.py's `background` fixture when a selected test uses that
+# fixture.
 BACKGROUND_RUNS = {}
 
 
-def in_background(name, fixture, command, environment=None):
+def in_background(name, fixture, command, environment=None, nice=19):
     """A run that starts with the session when a selected test asks for fixture (conftest.py's `background`):
     command(folder) runs in folder, with environment(the session's environment) if given, else warm-started."""
-    BACKGROUND_RUNS[name] = (fixture, command, environment)
+    BACKGROUND_RUNS[name] = (fixture, command, environment, nice)
 
 
 class BackgroundRun:

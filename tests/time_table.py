@@ -25,7 +25,8 @@ def table(times):
               f"{times['tests']} tests on {times['machine']}, {workers(times)}, warm start "
               f"{'on' if times['warm_start'] else 'off'}; "
               f"that run's budget was {times['budget_s']:,} s (conftest.py's `SUITE_BUDGET_S`). The slowest tests:", ""]
-    lines += [f"* {seconds:,.0f} s `{nodeid.replace('tests/', '', 1)}`" for nodeid, seconds in times["slowest"][:8]]
+    slowest = list(times["slowest"].items())[:8]
+    lines += [f"* {seconds:,.0f} s `{nodeid.replace('tests/', '', 1)}`" for nodeid, seconds in slowest]
     return "\n".join([*lines, "", END])
 
 
