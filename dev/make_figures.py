@@ -14,6 +14,8 @@ The figures, and the runs each one is drawn from (the tables below list them; a 
     lr_schedule.png             the learning rate chapter 01 logs, step by step, against its formula
     activation_checkpointing.png  the peak of a step above the model state, chapter 05 with and without
                                 --activation-checkpointing, measured and estimated; and the estimate for 405B
+    batch_size_lr.png           chapter 01 at global batches of 2, 8 and 32 on the same tokens, the learning
+                                rate unscaled, times the square root of the factor, or times the factor
     08-pipeline-parallel/pipeline-schedules.png   GPipe, 1F1B and interleaved 1F1B timelines measured at 4
                                 micro-batches (08-pipeline-parallel/measure_pipeline.py; its bubble table takes
                                 longer: run it alone)
@@ -22,7 +24,7 @@ The figures, and the runs each one is drawn from (the tables below list them; a 
     11-4d-parallel/parity-matrix.png  chapter 11 in five layouts of tp, pp, cp and dp against chapter 01: the
                                 largest loss and gradient-norm differences of each, and the loss differences per step
 
-Everything runs on the CPU with the bundled tiny model and corpus; a full run took 32 minutes on 2 busy cores
+Everything runs on the CPU with the bundled tiny model and corpus; a full run took 35 minutes on 2 busy cores (32, and 3 for batch_size_lr)
 (--reuse redraws from the runs a previous call left in --work-dir, in seconds).
 """
 
@@ -361,6 +363,76 @@ def make_context_parallel_layout(runner, out_dir):
     return path
 
 
+# The batch-size figure (related-topics/batch-size-and-learning-rate.md): chapter 01 at global batches of 2, 8 and
+# 32 sequences, on the same tokens (fewer steps as the batch grows; warm-up over the same tokens too), with the peak
+# lr unscaled, times the square root of the batch's factor, or times the factor.
+BATCH_BASE, BATCH_BASE_STEPS, BATCH_BASE_WARMUP, BATCH_BASE_LR = 2, 256, 16, 1e-3
+LR_RULES = {"unscaled": lambda k: 1.0, "square root": lambda k: k ** 0.5, "linear": lambda k: float(k)}
+
+
+def batch_size_runs(runner):
+    """{(factor, rule): metrics records} of the batch-size experiment; the factor 1 run serves all three rules."""
+    factors, base_steps = ((1, 4), 16) if runner.fast else ((1, 4, 16), BATCH_BASE_STEPS)
+    runs, trained = {}, {}
+    for factor in factors:
+        for rule, scale in LR_RULES.items():
+            lr = BATCH_BASE_LR * scale(factor)
+            flags = ["--batch-size", str(BATCH_BASE * factor), "--max-steps", str(base_steps // factor),
+                     "--warmup-steps", str(max(1, BATCH_BASE_WARMUP // factor)), "--lr", f"{lr:g}"]
+            name = f"batch-{BATCH_BASE * factor}-lr-{lr:g}"
+            if name not in trained:
+                trained[name] = plot_runs.read_metrics(runner.train(name, "01", None, flags))
+            runs[factor, rule] = trained[name]
+    return runs
+
+
+def tokens_seen(record, factor):
+    return record["step"] * BATCH_BASE * factor * 64
+
+
+def final_loss(records):
+    """The mean loss over the last eighth of the tokens: one step's loss is one batch's, noisier the smaller it is."""
+    return sum(record["loss"] for record in records[-max(1, len(records) // 8):]) / max(1, len(records) // 8)
+
+
+def make_batch_size_lr(runner, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = batch_size_runs(runner)
+    factors = sorted({factor for factor, _ in runs})
+    colours = {"unscaled": "#c44e52", "square root": "#4c72b0", "linear": "#55a868"}
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10.5, 3.8))
+    for (factor, rule), records in runs.items():
+        if factor == 1 and rule != "unscaled":
+            continue
+        style = {1: ":", 4: "--", 16: "-"}[factor]
+        colour = "black" if factor == 1 else colours[rule]
+        label = f"batch {BATCH_BASE}, lr {BATCH_BASE_LR:g}" if factor == 1 else f"batch {BATCH_BASE * factor}, {rule}"
+        left.plot([tokens_seen(r, factor) for r in records], [r["loss"] for r in records], style, color=colour,
+                  label=label, linewidth=1.2 if factor == 1 else 1.5)
+    for rule, colour in colours.items():
+        right.plot([BATCH_BASE * f for f in factors], [final_loss(runs[f, rule]) for f in factors], "o-",
+                   color=colour, label=f"lr {rule}")
+    tokens = tokens_seen(runs[1, "unscaled"][-1], 1)
+    left.set_xlabel("tokens trained on")
+    left.set_ylabel("training loss")
+    left.set_title(f"Chapter 01, the same {tokens:,} tokens:\nthe loss at each global batch", fontsize="medium")
+    right.set_xscale("log", base=2)
+    right.set_xticks([BATCH_BASE * f for f in factors], [str(BATCH_BASE * f) for f in factors])
+    right.set_xlabel("global batch (sequences of 64 tokens)")
+    right.set_ylabel("loss over the last eighth of the tokens")
+    right.set_title("The same tokens in fewer, larger steps:\nwhich peak learning rate keeps the loss",
+                    fontsize="medium")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    figure.tight_layout()
+    return save(figure, out_dir / "batch_size_lr.png")
+
+
 def chapter_figure(out_dir, chapter, name):
     """A figure that lives next to its chapter's README, or in --out-dir when one is given."""
     return REPO / CHAPTERS[chapter] / name if out_dir == FIGURES else out_dir / name
@@ -374,6 +446,7 @@ FIGURE_MAKERS = {
     "pipeline_schedules": make_pipeline_schedules,
     "context_parallel_layout": make_context_parallel_layout,
     "parity_matrix": make_parity_matrix,
+    "batch_size_lr": make_batch_size_lr,
 }
 
 

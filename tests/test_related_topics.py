@@ -1,5 +1,6 @@
 """The experiments of related-topics/: two runs of chapter 01 with the same seed are bitwise equal and another seed
-differs (determinism.md); accumulated micro-batches train as the larger batch, unless their labels differ
+differs (determinism.md); the same tokens in larger steps need a larger learning rate
+(batch-size-and-learning-rate.md); accumulated micro-batches train as the larger batch, unless their labels differ
 (gradient-accumulation.md); the corpus is tokenized once, by rank 0, and the workers keep the order
 (data-loading.md); pure bf16 weights lose the updates fp32 master weights keep (mixed-precision.md); a stopped and
 resumed job is one wandb run, logged by rank 0 (wandb.md)."""
@@ -86,6 +87,20 @@ def test_accumulated_micro_batches_are_the_larger_batch_unless_their_labels_diff
                   for i in range(2)]
     assert abs((means[0] + means[1]) / 2 - over_tokens) > 1e-3
     assert torch.allclose(summed[0] + summed[1], over_tokens, atol=1e-6)
+
+
+def test_the_same_tokens_in_4_times_larger_steps_need_a_larger_learning_rate(env, tmp_path):
+    """batch-size-and-learning-rate.md's commands: 64 steps of 2 sequences, then the same 128 in 16 steps of 8. On the
+    last 16 sequences, batch 8 at the base lr ends above batch 2, and at sqrt(4) times it recovers part of the gap."""
+    common = ["--wandb-mode", "disabled", "--seq-length", "64", "--log-freq", "1"]
+    runs = {name: read_losses(train("01", env, tmp_path, *common, *flags, experiment=name)[1]) for name, flags in {
+        "batch-2": ["--batch-size", "2", "--max-steps", "64", "--warmup-steps", "4"],
+        "batch-8": ["--batch-size", "8", "--max-steps", "16", "--warmup-steps", "1"],
+        "batch-8-sqrt": ["--batch-size", "8", "--max-steps", "16", "--warmup-steps", "1", "--lr", "2e-3"]}.items()}
+    last = {name: sum(losses[-len(losses) // 8:]) / (len(losses) // 8) for name, losses in runs.items()}
+    assert [len(losses) for losses in runs.values()] == [64, 16, 16]
+    assert last["batch-8"] - last["batch-8-sqrt"] >= 0.05, last
+    assert last["batch-2"] < last["batch-8-sqrt"], last
 
 
 def test_the_corpus_is_tokenized_once_by_rank_0_and_the_workers_keep_the_order(env, tmp_path):
