@@ -1185,7 +1185,7 @@ def render_markdown(data):
             lines.append(f"- {run['name']}: syncs at {where}")
     if data["chapter_args"]:
         lines += ["", "Per-chapter arguments (`CHAPTER_ARGS` in dev/gpu_card.py, on top of the common ones):", ""]
-        lines.append("; ".join(f"{chapter}: {shlex.join(extra) or 'none'}"
+        lines.append("; ".join(f"{chapter}: {shlex.join(display_path(arg) for arg in extra) or 'none'}"
                                for chapter, extra in data["chapter_args"].items()))
     lines += ["", f"Every run's log is in `logs/NAME.log`, its metrics in `runs/NAME/metrics.jsonl`; everything "
                   f"above is in `card.json`. Command: `{data['command']}`.", ""]
@@ -1298,17 +1298,28 @@ END_MARKER = "<!-- gpu-card: end -->"
 
 
 def fill_readmes(card_dir):
-    """Write the card's lines into every README's section: the whole card in the top-level README, each chapter's
-    rows, benchmark and checks in its own."""
+    """Keep the card in docs/gpu-card/ and write its lines into every README's section: a pointer to it and its
+    headline in the top-level README, each chapter's rows, benchmark and checks in its own."""
     card_md = card_dir / "card.md" if card_dir.is_dir() else card_dir
     if not card_md.exists():
         raise SystemExit(f"error: {card_md} does not exist; measure a card first: python dev/gpu_card.py --out DIR")
     text = card_md.read_text()
     if not text.startswith("# GPU card"):
         raise SystemExit(f"error: {card_md} is not a GPU card (it was made with --cpu); measure one on a GPU")
+    kept = REPO / "docs" / "gpu-card"
+    kept.mkdir(parents=True, exist_ok=True)
+    for name in ["card.md", "card.json"]:
+        if (card_md.parent / name).exists() and (card_md.parent / name).resolve() != (kept / name).resolve():
+            shutil.copy(card_md.parent / name, kept / name)
+    card_md = kept / "card.md"
     body = text.split("\n", 1)[1].strip()
     source = f"From `{display_path(card_md)}`, written by `dev/gpu_card.py` (edit the card, not this section)."
-    write_section(REPO / "README.md", f"{source}\n\n{body}")
+    # NOTE: the top-level README stays short: the date, the machine, chapter 01's speed and where the rest is.
+    headline = re.search(r"\*\*Measured\*\*: (\S+).*\*\*Machine\*\*: ([^,(]+).*?\*\*Software\*\*: (torch \S+)", body, re.S)
+    first_row = next((line.split("|") for line in body.splitlines() if line.startswith("| 01-single-gpu |  |")), None)
+    speed = f": chapter 01 trains at {first_row[3].strip()} tokens/s, {first_row[4].strip()} MFU" if first_row else ""
+    write_section(REPO / "README.md", f"Measured on {headline[1]} on {headline[2].strip()} with {headline[3]}{speed}. "
+                  f"The card: [{display_path(card_md)}]({display_path(card_md)}); each chapter's README has its rows.")
     header = [line for line in body.split("\n\n")[0].splitlines() if line.startswith("**")]
     for readme in sorted(REPO.glob("[0-9][0-9]-*/README.md")):
         chapter = readme.parent.name
