@@ -12,15 +12,24 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-CHAPTER_04 = Path(__file__).resolve().parent.parent / "04-fully-sharded-data-parallel" / "train_llm.py"
-# NOTE: imported by path: the chapter is a script, not a package. Its main() runs only as __main__.
-_spec = importlib.util.spec_from_file_location("chapter_04_train_llm", CHAPTER_04)
-ch04 = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ch04)
+REPO = Path(__file__).resolve().parent.parent
+
+
+def import_chapter(folder):
+    # NOTE: imported by path: a chapter is a script, not a package. Its main() runs only as __main__.
+    name = f"{folder.replace('-', '_')}_train_llm"
+    spec = importlib.util.spec_from_file_location(name, REPO / folder / "train_llm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ch04 = import_chapter("04-fully-sharded-data-parallel")
 
 # The pieces the frameworks do not replace.
 parse_args = ch04.parse_args                            # chapter 04's flags, checked as chapter 04 checks them
 init_weights = ch04.init_weights                        # fills each rank's DTensor shards from (seed, name)
+init_full_weights = import_chapter("01-single-gpu").init_weights  # the same values in a model not yet sharded
 shard_model = ch04.shard_model                          # one fully_shard group per decoder layer, then the root
 warmup_cosine_lr_factor = ch04.warmup_cosine_lr_factor
 load_and_tokenize_dataset = ch04.load_and_tokenize_dataset
