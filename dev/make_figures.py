@@ -433,6 +433,63 @@ def make_batch_size_lr(runner, out_dir):
     return save(figure, out_dir / "batch_size_lr.png")
 
 
+MIXED_PRECISION_MODES = ["fp32", "autocast", "pure bf16"]
+
+
+def memorize_one_batch(mode, steps=20):
+    """related-topics/mixed-precision.md's experiment: the bundled model learns one batch of 4 x 64 random tokens with
+    AdamW (lr 1e-3, no weight decay, seed 1) in fp32, under autocast (fp32 weights) or in pure bf16 (the model and
+    AdamW's state in bf16). Returns each step's loss and the share of the norms' scales that never moved."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(REPO / "data" / "tiny-llama")
+    batch = torch.randint(0, config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    if mode == "pure bf16":
+        model = model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    norms = {name: param.detach().clone() for name, param in model.named_parameters() if name.endswith("norm.weight")}
+    losses = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    parameters = dict(model.named_parameters())
+    unchanged = sum((parameters[name].detach() == start).sum().item() for name, start in norms.items())
+    return losses, unchanged / sum(start.numel() for start in norms.values())
+
+
+def make_mixed_precision(runner, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {mode: memorize_one_batch(mode, steps=3 if runner.fast else 20) for mode in MIXED_PRECISION_MODES}
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10.5, 3.8))
+    for mode, (losses, unchanged) in runs.items():
+        steps = range(1, len(losses) + 1)
+        label = f"{mode}: final loss {losses[-1]:.3f}, norm scales unchanged {unchanged:.0%}"
+        left.plot(steps, losses, label=label, linewidth=1.5)
+        right.plot(steps, [loss - reference for loss, reference in zip(losses, runs["fp32"][0])], label=mode,
+                   linewidth=1.5)
+    left.set_ylabel("training loss (one batch, memorized)")
+    left.set_title("The bundled model, one batch, AdamW at lr 1e-3", fontsize="medium")
+    right.set_ylabel("loss minus fp32's")
+    right.set_title("fp32 weights keep the small updates\nthat pure bf16 rounds away", fontsize="medium")
+    for ax in (left, right):
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    figure.tight_layout()
+    return save(figure, out_dir / "mixed_precision.png")
+
+
 def chapter_figure(out_dir, chapter, name):
     """A figure that lives next to its chapter's README, or in --out-dir when one is given."""
     return REPO / CHAPTERS[chapter] / name if out_dir == FIGURES else out_dir / name
@@ -447,6 +504,7 @@ FIGURE_MAKERS = {
     "context_parallel_layout": make_context_parallel_layout,
     "parity_matrix": make_parity_matrix,
     "batch_size_lr": make_batch_size_lr,
+    "mixed_precision": make_mixed_precision,
 }
 
 

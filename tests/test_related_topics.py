@@ -12,7 +12,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import TINY_MODEL, max_difference, read_losses, read_metrics, run, train
+from helpers import REPO, TINY_MODEL, max_difference, read_losses, read_metrics, run, train
+
+sys.path.insert(0, str(REPO / "dev"))
+import make_figures  # noqa: E402
 
 # NOTE: chapter 01's reference run of test_01's gradient accumulation test: the same arguments, made once a session.
 SAME_RUN = ["--max-steps", "6", "--wandb-mode", "disabled", "--batch-size", "4"]
@@ -124,27 +127,12 @@ def test_the_corpus_is_tokenized_once_by_rank_0_and_the_workers_keep_the_order(e
 
 
 def test_pure_bf16_weights_lose_the_updates_that_fp32_master_weights_keep():
-    """mixed-precision.md: one batch memorized for 20 steps in fp32, with autocast (fp32 weights) and in pure bf16."""
-    config = AutoConfig.from_pretrained(TINY_MODEL)
-    batch = torch.randint(0, config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    """mixed-precision.md: one batch memorized for 20 steps in fp32, with autocast (fp32 weights) and in pure bf16
+    (dev/make_figures.py's experiment, which draws the page's figure)."""
     results = {}
-    for mode in ["fp32", "autocast", "pure bf16"]:
-        torch.manual_seed(1)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-        if mode == "pure bf16":
-            model = model.to(torch.bfloat16)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-        norms = {name: param.detach().clone() for name, param in model.named_parameters()
-                 if name.endswith("norm.weight")}
-        for _ in range(20):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        parameters = dict(model.named_parameters())
-        unchanged = sum((parameters[name].detach() == start).sum().item() for name, start in norms.items())
-        results[mode] = (loss.item(), unchanged / sum(start.numel() for start in norms.values()))
+    for mode in make_figures.MIXED_PRECISION_MODES:
+        losses, unchanged = make_figures.memorize_one_batch(mode)
+        results[mode] = (losses[-1], unchanged)
         print(f"\n{mode}: final loss {results[mode][0]:.3f}, norm scales unchanged {results[mode][1]:.0%}", end="")
     # NOTE: an update of ~1e-3 is below half of bf16's spacing at 1.0 (2^-8 below, 2^-7 above): rounded away
     assert results["pure bf16"][1] == 1.0 and results["fp32"][1] == results["autocast"][1] == 0.0
