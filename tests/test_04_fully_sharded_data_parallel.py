@@ -7,6 +7,7 @@ learning-rate schedule depends on --max-steps, so runs compare only at the same 
 """
 
 import json
+import re
 import shutil
 import sys
 
@@ -193,6 +194,27 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_to_re
     print(f"async, killed in the background write of 8, resume from 6: largest loss difference {difference:.1e}")
     assert difference == 0
     assert grad_norm_difference(straight, killed, clipped=True) == 0
+
+
+def test_step_time_with_and_without_a_save_in_flight(env, tmp_path):
+    # 19 steps on 2 ranks, a save every 3 steps, synchronous and with --async-checkpoint. A step's logged time runs
+    # from the previous step's log line, so the step after a save includes what the save blocked (the whole save, or
+    # async_save's staging) and, with --async-checkpoint, the training done while the shards are written.
+    flags = ["--max-steps", "19", "--ckpt-freq", "3", "--batch-size", "2", "--wandb-mode", "disabled"]
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    numbers, losses = {}, {}
+    for mode, extra in [("sync", []), ("async", ["--async-checkpoint"])]:
+        result, experiment = train("04", env, tmp_path, *flags, *extra, nproc=2, experiment=mode)
+        seconds = {record["step"]: 2 * 2 * 64 / record["tokens_per_second"] for record in read_metrics(experiment)}
+        blocked = re.findall(r"\[rank 0\] INFO checkpoint of step \d+ (?:took|staged in) ([\d.]+)s", result.stdout)
+        numbers[mode] = [median([seconds[step] for step in seconds if step > 1 and step % 3 != 1]),
+                         median([seconds[step] for step in seconds if step > 1 and step % 3 == 1]),
+                         median([float(value) for value in blocked])]
+        losses[mode] = read_losses(experiment)
+    print("median seconds, 2 ranks x 2 x 64 tokens | step, no save | step after a save | the save blocked training\n"
+          + "\n".join(f"{mode} | {' | '.join(f'{value:.3f}' for value in values)}" for mode, values in numbers.items()))
+    assert losses["sync"] == losses["async"]
+    assert numbers["async"][2] < numbers["sync"][2]
 
 
 def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(runs, env, tmp_path):
