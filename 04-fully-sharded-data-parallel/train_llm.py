@@ -106,6 +106,10 @@ def main():
     # 4. Resume from the experiment's latest checkpoint, if it has one.
     # NOTE: saves and loads wait on a gloo group of their own: writing terabytes may outlast --dist-timeout.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
+    # NOTE: an async save's collectives run in a background thread: a group of their own, never interleaved with the
+    # main thread's.
+    background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
+        seconds=args.ckpt_timeout))) if args.async_checkpoint else None
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
     checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is not None:
@@ -166,9 +170,14 @@ def main():
                 **read_and_reset_memory_stats(device)}
             if rank == 0:
                 log_metrics(metrics_file, record)
+        if background_save is not None:
+            background_save.poll()
         if step % args.ckpt_freq == 0 or step == last_step:
-            save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank, checkpoint_group)
+            save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank, checkpoint_group,
+                            background_save)
 
+    if background_save is not None:
+        background_save.wait()
     progress_bar.close()
     if rank == 0:
         metrics_file.close()
@@ -213,6 +222,8 @@ def get_parser():
     group.add_argument("--log-freq", type=int, default=10)
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--ckpt-timeout", type=int, default=3600, help="seconds a checkpoint may take to save or load")
+    group.add_argument("--async-checkpoint", action="store_true",
+                       help="copy the shards to host memory and write them in the background while training goes on")
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                        help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
@@ -466,7 +477,8 @@ def find_latest_checkpoint_on_rank_zero(experiment_dir):
     return choice[0]
 
 
-def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank, group):
+def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank, group,
+                    background_save=None):
     """Every rank writes its own shards with torch.distributed.checkpoint (DCP); rank 0 adds the small files."""
     started = time.perf_counter()
     temporary_dir = experiment_dir / f"tmp-checkpoint-{train_state['step']:08d}"
@@ -475,19 +487,54 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     dist.barrier(group=group)
     # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    # NOTE: the small state of this step, for rank 0 to write once every rank's shards are.
+    small_state = {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state}
+
+    def finish():
+        if rank == 0:
+            write_checkpoint(experiment_dir, small_state, config)
+
+    if background_save is not None:
+        background_save.start({"model": model_state, "optimizer": optimizer_state}, temporary_dir, finish)
+        LOGGER.info(f"checkpoint of step {train_state['step']} staged in {time.perf_counter() - started:.2f}s")
+        return
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary_dir, process_group=group)
-    if rank == 0:
-        write_checkpoint(experiment_dir, lr_scheduler, train_state, config)
+    finish()
     dist.barrier(group=group)
     LOGGER.info(f"checkpoint of step {train_state['step']} took {time.perf_counter() - started:.2f}s")
 
 
-def write_checkpoint(experiment_dir, lr_scheduler, train_state, config):
+class BackgroundSave:
+    """--async-checkpoint: one save at a time, its shards written by a background thread; rank 0 finishes it."""
+
+    def __init__(self, group):
+        self.group, self.future, self.finish = group, None, None
+
+    def start(self, state, checkpoint_id, finish):
+        self.wait()
+        # NOTE: async_save copies every shard (CPU ones too) to new host memory before it returns: training on cannot
+        # change what is written.
+        self.future = dcp.async_save(state, checkpoint_id=checkpoint_id, process_group=self.group)
+        self.finish = finish
+
+    def poll(self):
+        # NOTE: at every step: done() is neither a collective nor a GPU sync.
+        if self.future is not None and self.future.done():
+            self.wait()
+
+    def wait(self):
+        # NOTE: DCP writes the metadata after every rank's shards: done means complete, and older ones can go.
+        if self.future is not None:
+            self.future.result()
+            self.future = None
+            self.finish()
+
+
+def write_checkpoint(experiment_dir, small_state, config):
     # NOTE: a temporary folder, renamed once complete, then older checkpoints deleted: a crash keeps the last one.
-    final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
+    final_dir = experiment_dir / f"checkpoint-{small_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
-    torch.save({"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state},
-               temporary_dir / "train_state.pt")
+    torch.save(small_state, temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
     # NOTE: where -m came from, for convert_to_hf.py's tokenizer (a local folder made absolute).
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path

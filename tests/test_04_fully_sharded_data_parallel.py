@@ -7,6 +7,7 @@ learning-rate schedule depends on --max-steps, so runs compare only at the same 
 """
 
 import json
+import re
 import shutil
 import sys
 
@@ -143,6 +144,77 @@ def test_a_save_slower_than_the_dist_timeout_waits_on_the_checkpoint_group(env, 
     result, experiment = train("04", slow_env, tmp_path, *flags, "--ckpt-timeout", "8", nproc=2,
                                experiment="short-ckpt-timeout", check=False, timeout=120)
     assert result.returncode != 0 and not (experiment / "checkpoint-00000002").exists()
+
+
+WRITER = "torch.distributed.checkpoint.filesystem._write_files_from_queue"  # DCP's writer, in async_save's thread
+
+
+def test_async_checkpoints_at_every_step_leave_the_curve_and_the_weights_as_they_are(runs, env, tmp_path):
+    # Resumed from step 4 with --async-checkpoint --ckpt-freq 1: a save in flight at every step, each waited for by
+    # the next. The curve and the last checkpoint's weights are the uninterrupted run's, bit for bit, and only that
+    # checkpoint is left.
+    _, straight = fsdp(runs, env, 2)
+    _, source = interrupted(runs, env)
+    shutil.copytree(source, tmp_path / "outputs" / "async")
+    result, resumed = train("04", env, tmp_path, *TEN_STEPS, "--batch-size", "2", "--ckpt-freq", "1",
+                            "--async-checkpoint", nproc=2, experiment="async")
+    assert "resumed from" in result.stdout and "checkpoint of step 9 staged" in result.stdout
+    assert sorted(path.name for path in resumed.iterdir() if "checkpoint" in path.name) == ["checkpoint-00000010"]
+    weights = [checkpoint_weights(folder / "checkpoint-00000010", tmp_path) for folder in (straight, resumed)]
+    weight_difference = max((weights[0][name] - weights[1][name]).abs().max().item() for name in weights[0])
+    difference = max_difference(read_losses(straight), read_losses(resumed))
+    print(f"async saves at steps 5-10 vs no save: largest loss difference {difference:.1e}, checkpoint-00000010's "
+          f"largest weight difference {weight_difference:.1e}")
+    assert difference == 0 and weight_difference == 0
+    assert grad_norm_difference(straight, resumed, clipped=True) == 0
+
+
+def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_to_resume_from(runs, env, tmp_path):
+    # --async-checkpoint --ckpt-freq 2 from step 4. Rank 0's writer sleeps 3 s before writing step 6's shards: steps
+    # 7 and 8 train meanwhile, so checkpoint-00000006 is written from what async_save staged at step 6. Every rank
+    # dies inside its writer at step 8's save, after writing its shards, before the metadata. Resumed from 6, the
+    # run ends on the uninterrupted run's curve, bit for bit.
+    _, straight = fsdp(runs, env, 2)
+    _, source = interrupted(runs, env)
+    shutil.copytree(source, tmp_path / "outputs" / "killed")
+    crash_env = with_faults(env, FAULT_KILL_ON_CALL=f"{WRITER}:2", FAULT_SLEEP_ON_CALL=f"{WRITER}:3", FAULT_RANK="0")
+    result, killed = train("04", crash_env, tmp_path, *TEN_STEPS, "--batch-size", "2", "--ckpt-freq", "2",
+                           "--async-checkpoint", nproc=2, experiment="killed", check=False)
+    assert result.returncode != 0 and "checkpoint of step 6 staged" in result.stdout
+    assert "injected fault: rank 0 sleeps 3s" in result.stderr
+    rank_0 = [line for line in result.stdout.splitlines() if "[rank 0]" in line]
+    saved_6 = next(at for at, line in enumerate(rank_0) if "saved" in line and "checkpoint-00000006" in line)
+    assert any("INFO step 7 |" in line for line in rank_0[:saved_6]), "step 7 trained before 6 was written"
+    assert sorted(path.name for path in killed.iterdir() if "checkpoint" in path.name) == [
+        "checkpoint-00000006", "tmp-checkpoint-00000008"]
+    assert not (killed / "tmp-checkpoint-00000008" / ".metadata").exists()
+    result, _ = train("04", env, tmp_path, *TEN_STEPS, "--batch-size", "2", nproc=2, experiment="killed")
+    assert "resumed from" in result.stdout and "checkpoint-00000006" in result.stdout
+    difference = max_difference(read_losses(straight), read_losses(killed))
+    print(f"async, killed in the background write of 8, resume from 6: largest loss difference {difference:.1e}")
+    assert difference == 0
+    assert grad_norm_difference(straight, killed, clipped=True) == 0
+
+
+def test_step_time_with_and_without_a_save_in_flight(env, tmp_path):
+    # 19 steps on 2 ranks, a save every 3 steps, synchronous and with --async-checkpoint. A step's logged time runs
+    # from the previous step's log line, so the step after a save includes what the save blocked (the whole save, or
+    # async_save's staging) and, with --async-checkpoint, the training done while the shards are written.
+    flags = ["--max-steps", "19", "--ckpt-freq", "3", "--batch-size", "2", "--wandb-mode", "disabled"]
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    numbers, losses = {}, {}
+    for mode, extra in [("sync", []), ("async", ["--async-checkpoint"])]:
+        result, experiment = train("04", env, tmp_path, *flags, *extra, nproc=2, experiment=mode)
+        seconds = {record["step"]: 2 * 2 * 64 / record["tokens_per_second"] for record in read_metrics(experiment)}
+        blocked = re.findall(r"\[rank 0\] INFO checkpoint of step \d+ (?:took|staged in) ([\d.]+)s", result.stdout)
+        numbers[mode] = [median([seconds[step] for step in seconds if step > 1 and step % 3 != 1]),
+                         median([seconds[step] for step in seconds if step > 1 and step % 3 == 1]),
+                         median([float(value) for value in blocked])]
+        losses[mode] = read_losses(experiment)
+    print("median seconds, 2 ranks x 2 x 64 tokens | step, no save | step after a save | the save blocked training\n"
+          + "\n".join(f"{mode} | {' | '.join(f'{value:.3f}' for value in values)}" for mode, values in numbers.items()))
+    assert losses["sync"] == losses["async"]
+    assert numbers["async"][2] < numbers["sync"][2]
 
 
 def test_every_rank_resumes_from_the_checkpoint_rank_0_finds(runs, env, tmp_path):

@@ -56,13 +56,18 @@ LINEAGE = {
     },
     ("03", "04"): {
         "main": "FSDP: the model built on the meta device and sharded over a 1-D device mesh of all ranks, the "
-                "optimizer over the shards, no autocast and no no_sync(), no DDP and no ZeRO-1",
-        "get_parser": "the --cpu-offload option, without --zero1, and --ckpt-timeout, the checkpoints' own timeout",
+                "optimizer over the shards, no autocast and no no_sync(), no DDP and no ZeRO-1, and the checkpoints' "
+                "gloo groups (a second for --async-checkpoint's background thread)",
+        "get_parser": "the --cpu-offload option, without --zero1, --ckpt-timeout, the checkpoints' own timeout, and "
+                      "--async-checkpoint",
         "parse_args": "--ckpt-timeout must be at least 1 second too",
         "init_weights": "each rank fills only its shard (a DTensor) of the full seeded value",
         "save_checkpoint": "every rank writes its own shards with torch.distributed.checkpoint, waiting on the "
-                           "checkpoints' gloo group (terabytes take longer than --dist-timeout)",
-        "write_checkpoint": "only the small files are left to rank 0",
+                           "checkpoints' gloo group (terabytes take longer than --dist-timeout), or stages them for "
+                           "a background write (--async-checkpoint), the small state taken at the step saved",
+        "BackgroundSave": "--async-checkpoint: one save in flight, finished by rank 0 once every rank's shards are "
+                          "written",
+        "write_checkpoint": "only the small files are left to rank 0, the small state as save_checkpoint took it",
         "load_checkpoint": "each rank reads its own shards, resharding to the current world size, on the "
                            "checkpoints' gloo group",
         "shard_model": "FSDP: each layer, and the rest of the model, sharded as one group over the mesh",
