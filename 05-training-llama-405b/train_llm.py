@@ -702,7 +702,8 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
     num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
     return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
-                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                      worker_init_fn=catch_stop_signals)
 
 
 @torch.no_grad()
@@ -816,8 +817,9 @@ def set_rng_state(rng_state):
         torch.cuda.set_rng_state(rng_state["cuda"])
 
 
-def catch_stop_signals():
-    # NOTE: only noted: the loop ends the step, saves a checkpoint and exits 0 (related-topics/preemption.md).
+def catch_stop_signals(worker_id=None):
+    # NOTE: only noted: the loop ends the step, saves a checkpoint and exits 0 (related-topics/preemption.md). In a
+    # DataLoader worker too: PyTorch's die of a SIGTERM to the process group, and fail the main process's step.
     stop_signals = []
     for signal_number in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signal_number, lambda number, frame: stop_signals.append(number))

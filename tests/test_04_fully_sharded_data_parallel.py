@@ -16,9 +16,10 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, checkpoint_weights, error_line,
-                     grad_norm_difference, load_script, logged_parameter_count, logged_step, max_difference,
-                     memory_held, read_losses, read_metrics, run, train, train_until_signalled, with_faults)
+from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, checkpoint_weights, cold_start,
+                     error_line, grad_norm_difference, load_script, logged_parameter_count, logged_step,
+                     max_difference, memory_held, read_losses, read_metrics, run, train, train_until_signalled,
+                     with_faults)
 
 CONVERT = REPO / "04-fully-sharded-data-parallel" / "convert_to_hf.py"
 TEN_STEPS = ["--max-steps", "10", "--wandb-mode", "disabled"]
@@ -133,10 +134,12 @@ def test_resume_at_the_same_world_size_is_exact_and_survives_a_crash_during_a_sa
 
 
 def test_a_preempted_job_checkpoints_the_step_it_stops_at_exits_0_and_resumes_the_same_curve(runs, env, tmp_path):
-    # SIGTERM to each worker once step 2 is logged, as Slurm signals every task of a job step: the ranks agree on a
-    # step, save it and exit 0, and so does torchrun. The job started again resumes there.
+    # SIGTERM to every process of the job but torchrun once step 2 is logged, as Slurm signals the processes of a job
+    # step: the ranks and their DataLoader workers (started here, not warm-started, so that they are found). The
+    # ranks agree on a step, save it and exit 0, and so does torchrun. The job started again resumes there.
     _, straight = fsdp(runs, env, 2)
-    result, signalled, seconds = train_until_signalled("04", env, tmp_path, *TEN_STEPS, "--batch-size", "2", nproc=2,
+    result, signalled, seconds = train_until_signalled("04", cold_start(env), tmp_path, *TEN_STEPS, "--batch-size",
+                                                       "2", "--num-workers", "1", nproc=2,
                                                        signals=[(logged_step(2), signal.SIGTERM)])
     assert result.returncode == 0, result.stderr[-3000:]
     stopped = read_metrics(signalled)[-1]["step"]
