@@ -120,7 +120,7 @@ def main():
                         disable=rank != 0)
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
-    stop_signals, stop_group = catch_stop_signals(), dist.new_group(backend="gloo")
+    stop_signals, stop_group = catch_stop_signals(), dist.new_group(backend="gloo", timeout=timeout)
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
         for micro_step in range(args.grad_accum):
