@@ -107,7 +107,7 @@ def test_more_signals_during_the_save_leave_it_complete(env, tmp_path):
     stopped = read_metrics(signalled)[-1]["step"]
     assert 2 < stopped < 10 and f"done: step {stopped} of 10" in result.stdout
     assert [path.name for path in signalled.glob("*checkpoint-*")] == [f"checkpoint-{stopped:08d}"]
-    saved = {name: torch.load(signalled / f"checkpoint-{stopped:08d}" / name, weights_only=True)
+    saved = {name: torch.load(signalled / f"checkpoint-{stopped:08d}" / name, map_location="cpu", weights_only=True)
              for name in ["model.pt", "optimizer.pt", "train_state.pt"]}
     assert saved["train_state.pt"]["step"] == stopped and saved["optimizer.pt"]["state"] and saved["model.pt"]
 
