@@ -12,6 +12,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 import sys
 import time
 import uuid
@@ -90,6 +91,7 @@ def main():
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True)
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
+    stop_signals = catch_stop_signals()
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
@@ -108,6 +110,8 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
+        if stop_signals:
+            last_step = step
 
         if step % args.log_freq == 0 or step == last_step:
             # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
@@ -122,6 +126,8 @@ def main():
             log_metrics(metrics_file, record)
         if step % args.ckpt_freq == 0 or step == last_step:
             save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config)
+        if step == last_step:
+            break
 
     progress_bar.close()
     metrics_file.close()
@@ -276,7 +282,8 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device):
     remaining = sample_order[samples_seen_in_epoch:]
     num_samples = len(remaining) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
     return DataLoader(Subset(dataset, remaining[:num_samples]), batch_size=args.batch_size,
-                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                      worker_init_fn=catch_stop_signals)
 
 
 # 3. The optimizer and the learning rate schedule
@@ -344,6 +351,15 @@ def set_rng_state(rng_state):
     torch.set_rng_state(rng_state["cpu"])
     if torch.is_tensor(rng_state["cuda"]) and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng_state["cuda"])
+
+
+def catch_stop_signals(worker_id=None):
+    # NOTE: only noted: the loop ends the step, saves a checkpoint and exits 0 (related-topics/preemption.md). In a
+    # DataLoader worker too: PyTorch's die of a SIGTERM to the process group, and fail the main process's step.
+    stop_signals = []
+    for signal_number in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signal_number, lambda number, frame: stop_signals.append(number))
+    return stop_signals
 
 
 # 5. Experiment tracking

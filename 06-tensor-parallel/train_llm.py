@@ -15,6 +15,7 @@ import math
 import os
 import resource
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -132,6 +133,7 @@ def main():
                         disable=rank != 0)
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
+    stop_signals = catch_stop_signals()
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
@@ -155,6 +157,11 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
+        # NOTE: every rank stops after the same step: the signals seen, summed on the CPU (gloo), no wait for the GPU.
+        stop = torch.tensor(len(stop_signals))
+        dist.all_reduce(stop, group=checkpoint_group)
+        if stop:
+            last_step = step
 
         if step % args.log_freq == 0 or step == last_step:
             # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG).
@@ -176,6 +183,8 @@ def main():
         if step % args.ckpt_freq == 0 or step == last_step:
             save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config, rank, checkpoint_group,
                             background_save)
+        if step == last_step:
+            break
 
     if background_save is not None:
         background_save.wait()
@@ -471,7 +480,8 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
     num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
     return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
-                      num_workers=args.num_workers, pin_memory=device.type == "cuda")
+                      num_workers=args.num_workers, pin_memory=device.type == "cuda",
+                      worker_init_fn=catch_stop_signals)
 
 
 # 3. The optimizer and the learning rate schedule
@@ -600,6 +610,15 @@ def set_rng_state(rng_state):
     torch.set_rng_state(rng_state["cpu"])
     if torch.is_tensor(rng_state["cuda"]) and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng_state["cuda"])
+
+
+def catch_stop_signals(worker_id=None):
+    # NOTE: only noted: the loop ends the step, saves a checkpoint and exits 0 (related-topics/preemption.md). In a
+    # DataLoader worker too: PyTorch's die of a SIGTERM to the process group, and fail the main process's step.
+    stop_signals = []
+    for signal_number in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signal_number, lambda number, frame: stop_signals.append(number))
+    return stop_signals
 
 
 # 5. Experiment tracking

@@ -530,6 +530,62 @@ def train_with_a_restart(chapter, env, workdir, *args, stop_after, nproc=None, e
     return result, experiment_dir
 
 
+def train_until_signalled(chapter, env, workdir, *args, signals, nproc=None, to="workers", experiment="signalled",
+                          timeout=300):
+    """Start a chapter's run like train(); for each (condition, signal) of signals in turn, once condition(experiment
+    directory, stderr so far) is true, send the signal to its training processes (to="workers": each of them, as
+    Slurm signals every task of a job step; to="launcher": the process started, torchrun or the one process, as
+    Kubernetes signals a container's first process). Returns (result, experiment directory, seconds from the first
+    signal to the launcher's exit)."""
+    import time
+
+    launcher = [sys.executable] if nproc is None else torchrun(nproc)
+    experiment_dir = Path(workdir) / "outputs" / experiment
+    command = [*launcher, script(chapter), *FAST_ARGS, "--save-dir", experiment_dir.parent, "-e", experiment, *args]
+    started, deadline, signalled_at = BackgroundRun(command, env, workdir), time.monotonic() + timeout, None
+    for condition, number in signals:
+        while not condition(experiment_dir, started.output()[1]):
+            assert started.process.poll() is None, (f"exit {started.process.returncode} before {number!r}: "
+                                                    f"{command}\n{started.output()[1][-3000:]}")
+            assert time.monotonic() < deadline, f"no {number!r} after {timeout}s: {command}"
+            time.sleep(0.05)
+        signalled_at = signalled_at or time.monotonic()
+        for pid in [started.process.pid] if to == "launcher" else training_processes(command):
+            os.kill(pid, number)
+    result = started.wait(timeout)
+    return result, experiment_dir, time.monotonic() - signalled_at
+
+
+def training_processes(command):
+    """The process ids whose command line is the training script's part of command (its script and arguments), but
+    not a launcher: a torchrun agent's workers, or the one process. A warm-started process's stand-in (tests/warm_start)
+    is found so and relays the signal."""
+    script_part = "\0".join(map(str, command[command.index(next(part for part in command
+                                                                 if str(part).endswith("train_llm.py"))):]))
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode()
+        except (OSError, ValueError):
+            continue
+        if proc.name.isdigit() and script_part in cmdline and "torch.distributed.run" not in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def logged_step(step):
+    """A condition of train_until_signalled: the run has logged step (rank 0's metrics.jsonl)."""
+    def logged(experiment_dir, stderr):
+        metrics = experiment_dir / "metrics.jsonl"
+        return metrics.exists() and f'{{"step": {step},' in metrics.read_text()
+    return logged
+
+
+def printed(text):
+    """A condition of train_until_signalled: the run has written text to stderr (a fault's line)."""
+    return lambda experiment_dir, stderr: text in stderr
+
+
 def loss_and_weight_differences(experiment_a, experiment_b, checkpoint_name):
     """How far two runs of the same steps are apart: the largest difference of their logged losses, and of the
     weights in their checkpoint_name folders."""

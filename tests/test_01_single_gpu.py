@@ -3,13 +3,15 @@ and bad input gets a one-line error."""
 
 import json
 import shutil
+import signal
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, TINY_MODEL, error_line, grad_norm_difference,
-                     load_script, max_difference, read_losses, train, with_faults)
+                     load_script, logged_step, max_difference, printed, read_losses, read_metrics, train,
+                     train_until_signalled, with_faults)
 
 
 
@@ -72,6 +74,42 @@ def test_a_crash_during_a_save_keeps_the_previous_checkpoint(env, tmp_path):
     result, resumed = train("01", env, tmp_path, "--max-steps", "8", experiment="crashed")
     assert "resumed from" in result.stdout and "checkpoint-00000004" in result.stdout
     assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
+
+
+# NOTE: test_gradient_accumulation_is_exact's reference run: the same arguments, made once a session.
+SIX_STEPS = ["--max-steps", "6", "--wandb-mode", "disabled", "--batch-size", "4"]
+
+
+def test_a_signal_during_the_first_step_checkpoints_that_step_exits_0_and_resumes_the_same_curve(env, runs, tmp_path):
+    # Slurm's --signal=USR1@120: SIGUSR1 while step 1 runs (held 2 s inside its gradient clipping by a fault).
+    _, straight = runs.train("01", env, *SIX_STEPS)
+    slow_step = with_faults(env, FAULT_SLEEP_ON_CALL="torch.nn.utils.clip_grad_norm_:2")
+    result, signalled, seconds = train_until_signalled(
+        "01", slow_step, tmp_path, *SIX_STEPS, signals=[(printed("injected fault"), signal.SIGUSR1)])
+    print(f"SIGUSR1 in step 1 to exit: {seconds:.1f}s")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [record["step"] for record in read_metrics(signalled)] == [1]
+    assert [path.name for path in signalled.glob("*checkpoint-*")] == ["checkpoint-00000001"]
+    result, resumed = train("01", env, tmp_path, *SIX_STEPS, experiment="signalled")
+    assert f"resumed from {resumed / 'checkpoint-00000001'} at step 1" in result.stdout
+    assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
+
+
+def test_more_signals_during_the_save_leave_it_complete(env, tmp_path):
+    # SIGTERM once step 2 is logged; the save of the step it stops at is held 2 s in its first torch.save, and gets
+    # a SIGUSR1 and a SIGTERM: it completes, and the run exits 0.
+    slow_save = with_faults(env, FAULT_SLEEP_ON_CALL="torch.save:2")
+    saving = printed("before torch.save")
+    result, signalled, _ = train_until_signalled(
+        "01", slow_save, tmp_path, "--max-steps", "10", signals=[(logged_step(2), signal.SIGTERM),
+                                                                  (saving, signal.SIGUSR1), (saving, signal.SIGTERM)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    stopped = read_metrics(signalled)[-1]["step"]
+    assert 2 < stopped < 10 and f"done: step {stopped} of 10" in result.stdout
+    assert [path.name for path in signalled.glob("*checkpoint-*")] == [f"checkpoint-{stopped:08d}"]
+    saved = {name: torch.load(signalled / f"checkpoint-{stopped:08d}" / name, map_location="cpu", weights_only=True)
+             for name in ["model.pt", "optimizer.pt", "train_state.pt"]}
+    assert saved["train_state.pt"]["step"] == stopped and saved["optimizer.pt"]["state"] and saved["model.pt"]
 
 
 def test_a_checkpoint_saved_on_gpu_0_resumes_on_this_device(env, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ learning-rate schedule depends on --max-steps, so runs compare only at the same 
 import json
 import re
 import shutil
+import signal
 import sys
 
 import pytest
@@ -16,9 +17,10 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, checkpoint_weights, error_line,
-                     grad_norm_difference, load_script, logged_parameter_count, max_difference, memory_held,
-                     read_losses, read_metrics, run, train, with_faults)
+from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, checkpoint_weights, cold_start,
+                     error_line, grad_norm_difference, load_script, logged_parameter_count, logged_step,
+                     max_difference, memory_held, read_losses, read_metrics, run, train, train_until_signalled,
+                     with_faults)
 
 CONVERT = REPO / "04-fully-sharded-data-parallel" / "convert_to_hf.py"
 TEN_STEPS = ["--max-steps", "10", "--wandb-mode", "disabled"]
@@ -130,6 +132,29 @@ def test_resume_at_the_same_world_size_is_exact_and_survives_a_crash_during_a_sa
     print(f"2 ranks, exit after 4, crash in the save of 8, resume from 6: largest loss difference {difference:.2e}")
     assert difference <= 1e-6
     assert grad_norm_difference(straight, crashed, clipped=True) <= 1e-6
+
+
+def test_a_preempted_job_checkpoints_the_step_it_stops_at_exits_0_and_resumes_the_same_curve(runs, env, tmp_path):
+    # SIGTERM to every process of the job but torchrun once step 2 is logged, as Slurm signals the processes of a job
+    # step: the ranks and their DataLoader workers (started here, not warm-started, so that they are found). The
+    # ranks agree on a step, save it and exit 0, and so does torchrun. The job started again resumes there.
+    _, straight = fsdp(runs, env, 2)
+    result, signalled, seconds = train_until_signalled("04", cold_start(env), tmp_path, *TEN_STEPS, "--batch-size",
+                                                       "2", "--num-workers", "1", nproc=2,
+                                                       signals=[(logged_step(2), signal.SIGTERM)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    stopped = read_metrics(signalled)[-1]["step"]
+    print(f"SIGTERM to both ranks after step 2: stopped at step {stopped}, exit 0 {seconds:.1f}s after the signal")
+    assert 2 < stopped < 10
+    for rank in (0, 1):
+        assert f"[rank {rank}] INFO done: step {stopped} of 10" in result.stdout
+    assert [path.name for path in signalled.glob("*checkpoint-*")] == [f"checkpoint-{stopped:08d}"]
+    result, resumed = train("04", env, tmp_path, *TEN_STEPS, "--batch-size", "2", nproc=2, experiment="signalled")
+    assert f"resumed from {resumed / f'checkpoint-{stopped:08d}'} at step {stopped}" in result.stdout
+    difference = max_difference(read_losses(straight), read_losses(resumed))
+    print(f"resumed from step {stopped}: largest loss difference to the uninterrupted run {difference:.1e}")
+    assert difference <= 1e-6
+    assert grad_norm_difference(straight, resumed, clipped=True) <= 1e-6
 
 
 def test_a_save_slower_than_the_dist_timeout_waits_on_the_checkpoint_group(env, tmp_path):

@@ -10,11 +10,13 @@ the README's CPU commands are layouts tested here.
 
 import shlex
 import shutil
+import signal
 
 import pytest
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, error_lines,
-                     grad_norm_difference, max_difference, read_losses, readme_experiment, train, without_experiment)
+                     grad_norm_difference, logged_step, max_difference, read_losses, read_metrics, readme_experiment,
+                     train, train_until_signalled, without_experiment)
 from helpers import quick_cases
 
 README = REPO / CHAPTERS["11"] / "README.md"
@@ -107,6 +109,30 @@ def test_resume_in_the_same_4d_layout_is_exact(env, runs, tmp_path):
 
 
 # Train in 4D, fine-tune in 1D or 2D: (chapter, processes, flags) with chapter 01's global batch of 4.
+def test_a_sigterm_to_torchrun_checkpoints_the_step_the_workers_stop_at_and_resumes_the_curve(env, runs, tmp_path):
+    """Kubernetes' SIGTERM goes to the container's first process, torchrun: it passes it to its workers (pp 2, a
+    2-rank job), which save the step they agree on and exit 0; torchrun then exits 1 of the signal it got (its
+    SignalException). Resumed, the curve is chapter 01's with the same global batch, as every layout's is."""
+    _, reference = reference_run(runs, env)
+    flags = ["--pp", "2", "--batch-size", str(GLOBAL_BATCH)]
+    result, signalled, seconds = train_until_signalled("11", env, tmp_path, *COMMON, *flags, nproc=2, to="launcher",
+                                                       signals=[(logged_step(2), signal.SIGTERM)])
+    stopped = read_metrics(signalled)[-1]["step"]
+    print(f"\nSIGTERM to torchrun after step 2: stopped at step {stopped}, torchrun exit {result.returncode} "
+          f"{seconds:.1f}s after the signal")
+    assert 2 < stopped < STEPS
+    for rank in (0, 1):
+        assert f"[rank {rank}] INFO done: step {stopped} of {STEPS}" in result.stdout, result.stdout[-3000:]
+    assert "Received 15 death signal, shutting down workers" in result.stderr
+    assert [path.name for path in signalled.glob("*checkpoint-*")] == [f"checkpoint-{stopped:08d}"]
+    result, resumed = train("11", env, tmp_path, *COMMON, *flags, nproc=2, experiment="signalled")
+    assert f"checkpoint-{stopped:08d} at step {stopped}" in result.stdout
+    difference = max_difference(read_losses(reference), read_losses(resumed))
+    print(f"resumed from step {stopped}: largest loss difference to chapter 01's uninterrupted run {difference:.1e}")
+    assert difference <= 1e-5
+    assert grad_norm_difference(reference, resumed, clipped=True) <= GRAD_NORM_TOLERANCE
+
+
 OTHER_CHAPTERS = {
     "04 dp4": ("04", 4, ["--batch-size", "1"]),
     "07 tp2-dp2": ("07", 4, ["--tp", "2", "--batch-size", "2"]),

@@ -3,16 +3,19 @@ differs (determinism.md); the same tokens in larger steps need a larger learning
 (batch-size-and-learning-rate.md); accumulated micro-batches train as the larger batch, unless their labels differ
 (gradient-accumulation.md); the corpus is tokenized once, by rank 0, and the workers keep the order
 (data-loading.md); pure bf16 weights lose the updates fp32 master weights keep (mixed-precision.md); a stopped and
-resumed job is one wandb run, logged by rank 0 (wandb.md)."""
+resumed job is one wandb run, logged by rank 0 (wandb.md); a run stopped by SIGUSR1 exits 0 with a checkpoint of the
+step it stopped at, and resumes the same curve (preemption.md)."""
 
 import re
+import signal
 import sys
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import REPO, TINY_MODEL, max_difference, read_losses, read_metrics, run, train
+from helpers import (REPO, TINY_MODEL, logged_step, max_difference, read_losses, read_metrics, run, train,
+                     train_until_signalled)
 
 sys.path.insert(0, str(REPO / "dev"))
 import make_figures  # noqa: E402
@@ -44,6 +47,21 @@ def test_the_same_seed_gives_bitwise_equal_runs_and_another_seed_does_not(env, r
     assert not any(torch.equal(weights[name], final_weights(other_seed)[name])
                    for name in weights if not name.endswith("norm.weight"))
 
+
+
+def test_a_run_stopped_by_sigusr1_exits_0_with_its_step_saved_and_resumes_the_same_curve(env, runs, tmp_path):
+    """preemption.md's experiment, shortened: `kill -USR1` to chapter 01 once it has logged step 2, then the same
+    command again."""
+    _, straight = runs.train("01", env, *SAME_RUN)
+    result, experiment, seconds = train_until_signalled("01", env, tmp_path, *SAME_RUN, to="launcher",
+                                                        signals=[(logged_step(2), signal.SIGUSR1)])
+    stopped = read_metrics(experiment)[-1]["step"]
+    print(f"\nSIGUSR1 after step 2: stopped at step {stopped}, exit {result.returncode} {seconds:.1f}s after it")
+    assert result.returncode == 0 and 2 < stopped < 6
+    assert [path.name for path in experiment.glob("*checkpoint-*")] == [f"checkpoint-{stopped:08d}"]
+    result, resumed = train("01", env, tmp_path, *SAME_RUN, experiment="signalled")
+    assert f"resumed from {resumed / f'checkpoint-{stopped:08d}'} at step {stopped}" in result.stdout
+    assert max_difference(read_losses(straight), read_losses(resumed)) <= 1e-6
 
 
 def offline_runs(experiment_dir):
