@@ -35,7 +35,8 @@ TRAIN_SCRIPT=${TRAIN_SCRIPT:-$HERE/train_llm.py}
 TORCHRUN=${TORCHRUN:-$(command -v torchrun)}
 # FSDP gathers and frees a layer of weights at a time, and MoE buffers change size every layer: expandable segments
 # let the CUDA caching allocator grow one mapping instead of keeping blocks of every size (no effect on the CPU).
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# PYTORCH_ALLOC_CONF is the name torch reads now (it warns at the older PYTORCH_CUDA_ALLOC_CONF, kept if you set it).
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}}
 LOG_DIR=$WORKDIR/logs
 
 # Hosts and their slots, comments and blank lines dropped.
@@ -60,7 +61,7 @@ RDZV_ID=${RDZV_ID:-$EXP-$(date +%Y%m%d%H%M%S)}
 
 # Variables to copy to the remote side, if they are set here: these, FORWARD_ENV's, and every HF_*, NCCL_* and
 # WANDB_* variable (the Hugging Face cache and token, NCCL's and wandb's settings). mpirun.sh forwards the same.
-ENV_VARS="PYTHONPATH OMP_NUM_THREADS PYTORCH_CUDA_ALLOC_CONF CUDA_VISIBLE_DEVICES GLOO_SOCKET_IFNAME ${FORWARD_ENV:-}
+ENV_VARS="PYTHONPATH OMP_NUM_THREADS PYTORCH_ALLOC_CONF CUDA_VISIBLE_DEVICES GLOO_SOCKET_IFNAME ${FORWARD_ENV:-}
           $(compgen -e | grep -E '^(HF|NCCL|WANDB)_' || true)"
 ENV_ASSIGN=(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)   # reliable elastic restarts (see job.sbatch)
 for v in $ENV_VARS; do

@@ -48,11 +48,12 @@ export MASTER_PORT=${MASTER_PORT:-29500}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # FSDP gathers and frees a layer of weights at a time, and MoE buffers change size every layer: expandable segments
 # let the CUDA caching allocator grow one mapping instead of keeping blocks of every size (no effect on the CPU).
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# PYTORCH_ALLOC_CONF is the name torch reads now (it warns at the older PYTORCH_CUDA_ALLOC_CONF, kept if you set it).
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}}
 # mpirun gives the remote processes only the variables -x names. Forward those training reads, if set here, as
 # launch-ssh.sh does: the Hugging Face cache and token, NCCL's and wandb's settings (every HF_*, NCCL_* and
 # WANDB_* variable), the interfaces and GPUs to use, PYTHONPATH, and FORWARD_ENV's names.
-FORWARDED_ENV=(MASTER_ADDR MASTER_PORT OMP_NUM_THREADS PYTORCH_CUDA_ALLOC_CONF PATH)
+FORWARDED_ENV=(MASTER_ADDR MASTER_PORT OMP_NUM_THREADS PYTORCH_ALLOC_CONF PATH)
 # shellcheck disable=SC2086
 for name in PYTHONPATH CUDA_VISIBLE_DEVICES GLOO_SOCKET_IFNAME ${FORWARD_ENV:-} \
             $(compgen -e | grep -E '^(HF|NCCL|WANDB)_' || true); do

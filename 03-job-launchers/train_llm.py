@@ -69,6 +69,8 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
+    require(dtype != torch.float32 or device.type != "cuda" or config.num_key_value_heads == config.num_attention_heads,
+            "--dtype float32 on CUDA: grouped-query attention runs SDPA's math kernel; use --dtype bfloat16 or auto")
     with device:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)

@@ -19,8 +19,8 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 
 # FSDP allocates and frees a whole gathered layer (6.4 GB in bf16 at 405B) twice a step per layer. Expandable
 # segments let the CUDA caching allocator grow one mapping instead of keeping blocks of every size: without it, a
-# fragmented 80 GB GPU runs out of memory with gigabytes free.
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+# fragmented 80 GB GPU runs out of memory with gigabytes free. (PYTORCH_CUDA_ALLOC_CONF, the older name, is kept.)
+export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}}
 # CPU threads per process. torchrun sets 1 when this is unset, and with --cpu-offload AdamW then steps a 6B-parameter
 # shard on one core, many times slower. 16 suits 8 processes on a host of 128 or more cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-16}
@@ -31,6 +31,6 @@ export HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 # The tokenized data set is cached in HF_HOME: on a shared file system, rank 0 tokenizes and everyone reads it.
 # launch-ssh.sh sends every HF_*, NCCL_* and WANDB_* variable (HF_HUB_OFFLINE, HF_HOME, NCCL_IB_HCA, ...) and
 # OMP_NUM_THREADS itself; the allocator setting is added to its list.
-export FORWARD_ENV="${FORWARD_ENV:-} PYTORCH_CUDA_ALLOC_CONF"
+export FORWARD_ENV="${FORWARD_ENV:-} PYTORCH_ALLOC_CONF"
 
 TRAIN_SCRIPT=$HERE/train_llm.py exec "$HERE/../03-job-launchers/launch-ssh.sh" "$@"

@@ -80,6 +80,8 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
+    require(dtype != torch.float32 or device.type != "cuda" or config.num_key_value_heads == config.num_attention_heads,
+            "--dtype float32 on CUDA: grouped-query attention runs SDPA's math kernel; use --dtype bfloat16 or auto")
     flash_ready = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
     require(args.attn_implementation != "flash_attention_2" or flash_ready, "--attn-implementation flash_attention_2 "
             "needs CUDA and `pip install flash-attn`; use --attn-implementation sdpa")

@@ -71,6 +71,8 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
+    require(dtype != torch.float32 or device.type != "cuda" or config.num_key_value_heads == config.num_attention_heads,
+            "--dtype float32 on CUDA: grouped-query attention runs SDPA's math kernel; use --dtype bfloat16 or auto")
     check_tensor_parallel_degree(world_size, config, args.seq_length)
     tp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
     # NOTE: on the meta device, parameters have shapes but no memory; sharded, to_empty() allocates only this rank's

@@ -17,7 +17,7 @@ NPROC=$(python -c "import torch; print(torch.cuda.device_count())")
 # NOTE: all-to-all needs --cp to divide the tiny model's 4 key/value heads: with 8 GPUs it runs as dp 2 x cp 4.
 CP=$(( NPROC > 4 ? 4 : NPROC ))
 mkdir -p "$OUT_DIR"
-export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTORCH_ALLOC_CONF=expandable_segments:True
 ARGS=(--max-steps 20 --seq-length 1024 --batch-size 1 --log-freq 1 --ckpt-freq 1000 --warmup-steps 5 --num-workers 1
       --save-dir "$OUT_DIR/outputs")
 FAILED=0

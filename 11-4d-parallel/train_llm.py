@@ -80,6 +80,8 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
+    require(dtype != torch.float32 or device.type != "cuda" or config.num_key_value_heads == config.num_attention_heads,
+            "--dtype float32 on CUDA: grouped-query attention runs SDPA's math kernel; use --dtype bfloat16 or auto")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)

@@ -895,7 +895,8 @@ def base_env(mode):
         env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")  # NOTE: the runs share the cores
     if mode == "gpu":
         # NOTE: as chapter 05's launch.sh sets it: fewer fragmented blocks when FSDP frees and gathers layers.
-        env["PYTORCH_CUDA_ALLOC_CONF"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        env["PYTORCH_ALLOC_CONF"] = os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF",
+                                                                                      "expandable_segments:True"))
     return env
 
 

@@ -1,16 +1,19 @@
 """Chapter 01: the quick start trains, resume and gradient accumulation are exact, saves survive crashes,
 and bad input gets a one-line error."""
 
+import ast
 import json
 import shutil
 import signal
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, TINY_MODEL, error_line, grad_norm_difference,
-                     load_script, logged_step, max_difference, printed, read_losses, read_metrics, train,
+                     load_script, logged_step, max_difference, printed, read_losses, read_metrics, script, train,
                      train_until_signalled, with_faults)
 
 
@@ -246,6 +249,48 @@ def test_bad_input_gets_a_one_line_error(env, tmp_path, case):
     assert result.returncode == 1
     assert error_line(result).startswith("error: ") and expected in error_line(result), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def fp32_attention_check(chapter):
+    """The statement of a chapter's main() that refuses fp32 grouped-query attention on CUDA, and its source."""
+    source = script(chapter).read_text()
+    main = next(node for node in ast.parse(source).body if getattr(node, "name", None) == "main")
+    check, = [node for node in main.body if "num_key_value_heads" in ast.get_source_segment(source, node)]
+    built = next(node for node in main.body if "from_config" in ast.get_source_segment(source, node))
+    assert check.lineno < built.lineno, f"chapter {chapter} checks after building the model"
+    return check, ast.get_source_segment(source, check)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_every_chapter_refuses_fp32_grouped_query_attention_on_cuda_before_the_model(chapter):
+    """On CUDA, SDPA runs fp32 attention with fewer key/value than query heads only in its math kernel, which
+    keeps every head's S x S score matrix (measured on an H200 with torch 2.11, 01's README): the same check in
+    every chapter, ahead of the model, refuses exactly that."""
+    check, text = fp32_attention_check(chapter)
+    assert text == fp32_attention_check("01")[1]
+    code = compile(ast.Module([check], []), script(chapter), "exec")
+    grouped, multi_head = (SimpleNamespace(num_attention_heads=32, num_key_value_heads=kv) for kv in (8, 32))
+    require = load_script(chapter).require
+
+    def run_check(device, dtype, config):
+        exec(code, {"require": require, "torch": torch, "device": torch.device(device), "dtype": dtype,
+                    "config": config})
+
+    for allowed in [("cpu", torch.float32, grouped), ("cuda", torch.bfloat16, grouped),
+                    ("cuda", torch.float32, multi_head)]:
+        run_check(*allowed)
+    with pytest.raises(SystemExit, match="^error: --dtype float32 on CUDA: .* use --dtype bfloat16 or auto$"):
+        run_check("cuda", torch.float32, grouped)
+
+
+def test_fp32_on_a_pretended_gpu_gets_a_one_line_error_before_the_model_is_built(monkeypatch, tmp_path):
+    # The tiny model has 8 query and 4 key/value heads; main() stops before anything touches the (absent) GPU.
+    chapter = load_script("01")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sys, "argv", ["train_llm.py", "--dtype", "float32", "--save-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="^error: --dtype float32 on CUDA: grouped-query attention runs SDPA's"):
+        chapter.main()
 
 
 def test_a_sliding_window_model_trains_while_its_window_covers_every_sequence(env, tmp_path):

@@ -276,7 +276,7 @@ def test_mpirun_forwards_the_variables_training_reads(launcher_env, tmp_path):
     result = run([CHAPTER / "mpirun.sh", "-e", "forwarding"], mpirun_env, tmp_path)
     forwarded = re.findall(r"-x (\S+)", result.stdout)
     print(f"\nmpirun.sh forwards: {' '.join(forwarded)}")
-    for name in ["MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PYTORCH_CUDA_ALLOC_CONF", "PATH", "HF_HOME",
+    for name in ["MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "PYTORCH_ALLOC_CONF", "PATH", "HF_HOME",
                  "HF_TOKEN", "NCCL_DEBUG", "NCCL_IB_HCA", "WANDB_API_KEY", "WANDB_PROJECT", "MY_SETTING"]:
         assert name in forwarded, (name, result.stdout)
     assert "UNRELATED" not in forwarded and len(forwarded) == len(set(forwarded))
@@ -295,13 +295,14 @@ def test_launch_ssh_forwards_the_same_variables(env, tmp_path):
     result = run([CHAPTER / "launch-ssh.sh", hosts, "-e", "forwarding"], {**env, **settings, "SSH": str(fake)},
                  tmp_path)
     for assignment in ["HF_HOME=/shared/hf", "NCCL_IB_HCA=mlx5", "WANDB_PROJECT=llm",
-                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]:
+                       "PYTORCH_ALLOC_CONF=expandable_segments:True"]:
         assert f" {assignment} " in result.stdout, result.stdout
     assert "UNRELATED" not in result.stdout
-    # A setting of the user's own wins over the launcher's default.
-    result = run([CHAPTER / "launch-ssh.sh", hosts, "-e", "forwarding"],
-                 {**env, "SSH": str(fake), "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}, tmp_path)
-    assert " PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512 " in result.stdout, result.stdout
+    # A setting of the user's own wins over the launcher's default, under either name (torch warns at the older one).
+    for name in ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"]:
+        result = run([CHAPTER / "launch-ssh.sh", hosts, "-e", "forwarding"],
+                     {**env, "SSH": str(fake), name: "max_split_size_mb:512"}, tmp_path)
+        assert " PYTORCH_ALLOC_CONF=max_split_size_mb:512 " in result.stdout, result.stdout
 
 
 @pytest.fixture

@@ -505,7 +505,7 @@ def test_launch_starts_chapter_05_on_every_host_with_the_environment_of_a_405b_r
     for call in calls:
         assert "/opt/venv/bin/torchrun --nnodes 2 --nproc-per-node 8 " in call
         assert f"{script('05')} -m /shared/Llama-3.1-405B -e llama-405b" in call
-        for variable in ["PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "OMP_NUM_THREADS=16", "HF_HUB_OFFLINE=1"]:
+        for variable in ["PYTORCH_ALLOC_CONF=expandable_segments:True", "OMP_NUM_THREADS=16", "HF_HUB_OFFLINE=1"]:
             assert f" {variable} " in call, call
 
 

@@ -246,6 +246,28 @@ def test_each_layer_all_gathers_the_next_before_it_waits_for_its_split_sizes(env
     assert all(gathers_before_sync[k] >= k + 3 for k in range(layers - 1)), gathers_before_sync
 
 
+def test_each_layer_lists_the_next_layer_and_its_experts_to_prefetch():
+    # shard_model() as main() calls it, in this process, on a fake world of 4 at ep 2 and a model on the meta device:
+    # each layer's FSDP group names the next layer's groups (its own and its experts') for explicit forward prefetch.
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    chapter, config = load_script("10"), AutoConfig.from_pretrained(MOE_MODEL)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = chapter.get_device_mesh(torch.device("cpu"), 4, 2, config)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        chapter.shard_model(model, mesh, torch.float32, cpu_offload=False)
+        layers = model.model.layers
+        for layer, next_layer in zip(layers, layers[1:]):
+            groups = [next_layer, *([next_layer.mlp.experts] if hasattr(next_layer.mlp, "experts") else [])]
+            assert layer._get_fsdp_state()._states_to_forward_prefetch == [g._get_fsdp_state() for g in groups]
+        assert hasattr(layers[1].mlp, "experts") and not layers[-1]._get_fsdp_state()._states_to_forward_prefetch
+    finally:
+        dist.destroy_process_group()
+
+
 # What each mistake says: the mesh's checks, called in this process on a world of the given size.
 BAD_INPUTS = {
     "ep that does not divide the world": (4, 3, MOE_MODEL, "error: --ep 3 does not divide the world size 4; use a "

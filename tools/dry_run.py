@@ -26,10 +26,10 @@ Beside them: tools/estimate_memory.py's prediction for the same layout.
 
 On the CPU the chapters compute in float32 unless told; a dry run is for a GPU job, so it passes --dtype bfloat16
 unless the arguments give a --dtype. Limits: a fake collective moves nothing, so values (losses, gradient norms)
-mean nothing; a pipeline stage cannot learn its neighbours' shapes, so chapter 08 dry-runs the ranks of its first
-stage only (the tool answers the shape exchange for them); peaks are sums of tensor sizes (no allocator rounding
-or fragmentation, no CUDA/NCCL workspace); --cpu-offload needs CUDA, which the dry run does not fake. The tracker's
-activations are those alive at the peak, the estimator's all that forward saves: compare the peaks.
+mean nothing; a pipeline stage cannot learn its neighbours' shapes, so the tool answers the shape exchange (for
+every stage of chapter 08, for the first stage only in chapter 11); peaks are sums of tensor sizes (no allocator
+rounding or fragmentation, no CUDA/NCCL workspace); --cpu-offload needs CUDA, which the dry run does not fake. The
+tracker's activations are those alive at the peak, the estimator's all that forward saves: compare the peaks.
 """
 
 import argparse
@@ -104,11 +104,13 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
     import torch
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools import mod_tracker
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining._utils import InferenceMode, _derive_grad_metas, _StageBackwardMeta
+    from torch.distributed.pipelining._utils import (InferenceMode, _derive_grad_metas, _StageBackwardMeta,
+                                                   _StageForwardMeta, extract_tensor_meta)
     from torch.distributed.tensor import _sharding_prop
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -201,10 +203,18 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
             found["peak"] = snapshot(tracker.get_tracker_snapshot("peak"))
             raise DryRunDone
 
-    # NOTE: a pipeline stage learns its neighbours' tensor shapes from them (a vote, then pickled metadata), which a
-    # fake process group cannot carry: every stage votes alike, and stage s+1 sends back the gradients' metadata of
-    # what stage s sent it. Only the first stage has no metadata to receive first, so only its ranks dry-run.
+    # NOTE: a fake process group cannot carry the stages' shape exchange (a vote, then pickled metadata): every stage
+    # votes alike, stage s+1 sends back the gradients' metadata of what stage s sent it, and stage s gets from s-1
+    # (chapter 08) a micro-batch of hidden states in the compute dtype (FSDP's param_dtype, the embedding's output's).
     sent_metas = {}
+
+    def hidden_states_meta(stage):
+        args = found["args"]
+        micro_batch = args.batch_size // (args.pp_microbatches or args.batch_size)
+        dtype = stage.submod._get_fsdp_state()._mp_policy.param_dtype or torch.float32
+        return extract_tensor_meta(torch.empty(micro_batch, stage.submod.position_ids.shape[-1],
+                                               found["model"].config.hidden_size, dtype=dtype, device="meta",
+                                               requires_grad=True))
 
     def warmup_forward_vote(stage, has_backward, received_acc=None):
         stage.dry_run_vote = 0 if InferenceMode.needs_dynamic(stage._user_meta, has_backward) else 1
@@ -217,10 +227,20 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         sent_metas[dst_stage] = meta
 
     def recv_meta(stage, src_stage):
-        if src_stage < stage.stage_index:
+        if src_stage > stage.stage_index:
+            return _StageBackwardMeta(backward_metas=_derive_grad_metas(sent_metas[src_stage].forward_metas))
+        if chapter != "08":
             raise SystemExit(f"error: rank {rank} runs pipeline stage {stage.stage_index}, whose inputs' shapes only "
                              "the stage before it can tell; dry-run a rank of the first stage (e.g. --rank 0)")
-        return _StageBackwardMeta(backward_metas=_derive_grad_metas(sent_metas[src_stage].forward_metas))
+        return _StageForwardMeta(forward_metas=(hidden_states_meta(stage),))
+
+    def untracked_backward(metadata_inference):
+        # NOTE: a stage's shape inference (its own forward and backward) runs without the tracker's backward hooks:
+        # they kept the first stage's forward alive (token ids take no gradient), and autograd.grad refuses them.
+        def run(*args, **kwargs):
+            with patched(mod_tracker, "register_multi_grad_hook", lambda *_, **__: None):
+                return metadata_inference(*args, **kwargs)
+        return run
 
     patches = dict(
         get_distributed_environment=lambda timeout: ("dry run", rank, rank % nproc_per_node, world_size),
@@ -249,6 +269,8 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         for name, value in [("_warmup_forward_vote", warmup_forward_vote), ("_send_meta", send_meta),
                             ("_warmup_backward_result", warmup_backward_result), ("_recv_meta", recv_meta)]:
             exit_stack.enter_context(patched(PipelineStage, name, value))
+        for name in ["_forward_metadata_inference", "_backward_metadata_inference"]:
+            exit_stack.enter_context(patched(PipelineStage, name, untracked_backward(getattr(PipelineStage, name))))
         # NOTE: DTensor derives an operator's output shape by running it on fake tensors of the global shape, in the
         # active fake mode; in another fake mode the tracker leaves them out (real runs never allocate them).
         propagation_mode = FakeTensorMode(allow_non_fake_inputs=True)
