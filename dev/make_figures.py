@@ -490,6 +490,86 @@ def make_mixed_precision(runner, out_dir):
     return save(figure, out_dir / "mixed_precision.png")
 
 
+def make_determinism(runner, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = ["--max-steps", "3" if runner.fast else "20"]
+    runs = {label: plot_runs.read_metrics(runner.train(name, "01", None, [*steps, *flags])) for label, name, flags in
+            [("seed 0", "determinism-seed0", []), ("seed 0 again", "determinism-seed0-again", []),
+             ("seed 1", "determinism-seed1", ["--seed", "1"])]}
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10.5, 3.6))
+    for (label, records), style in zip(runs.items(), ["-", "--", "-"]):
+        left.plot([r["step"] for r in records], [r["loss"] for r in records], style, label=label, linewidth=1.5)
+    for label in ["seed 0 again", "seed 1"]:
+        differences = [abs(a["loss"] - b["loss"]) for a, b in zip(runs["seed 0"], runs[label], strict=True)]
+        # NOTE: equal losses differ by 0: drawn at 1e-9 on the log scale.
+        right.plot([r["step"] for r in runs[label]], [max(d, 1e-9) for d in differences], marker="o", markersize=3,
+                   label=f"{label}: largest {max(differences):.1e}")
+    left.set_ylabel("training loss")
+    left.set_title("Chapter 01, the same program three times", fontsize="medium")
+    right.set_yscale("log")
+    right.set_ylabel("|loss - seed 0's| (0 drawn at 1e-9)")
+    right.set_title("The same seed: bitwise equal; another seed: another run", fontsize="medium")
+    for ax in (left, right):
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    figure.tight_layout()
+    return save(figure, out_dir / "determinism.png")
+
+
+def make_preemption(runner, out_dir):
+    """Chapter 01 stopped by SIGUSR1 once it has logged step 8 (or 1), resumed, against the run never stopped."""
+    import signal
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    max_steps, stop_after = (3, 1) if runner.fast else (30, 8)
+    flags = ["--max-steps", str(max_steps)]
+    straight = plot_runs.read_metrics(runner.train("preemption-straight", "01", None, flags))
+    experiment = runner.work_dir / "outputs" / "preemption-stopped"
+    shutil.rmtree(experiment, ignore_errors=True)
+    command = [sys.executable, str(REPO / CHAPTERS["01"] / "train_llm.py"), *COMMON, *flags,
+               "--save-dir", str(runner.work_dir / "outputs"), "-e", experiment.name]
+    process = subprocess.Popen(command, cwd=runner.work_dir, env=runner.env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    metrics = experiment / "metrics.jsonl"
+    while process.poll() is None and (not metrics.is_file() or len(metrics.read_text().splitlines()) < stop_after):
+        time.sleep(0.05)
+    process.send_signal(signal.SIGUSR1)
+    if process.wait(timeout=300) != 0:
+        raise SystemExit(f"error: {' '.join(command)} exited {process.returncode} after SIGUSR1")
+    stopped_at = plot_runs.read_metrics(experiment)[-1]["step"]
+    runner.run_logged("preemption-resumed", command)
+    resumed = plot_runs.read_metrics(experiment)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10.5, 3.6))
+    left.plot([r["step"] for r in straight], [r["loss"] for r in straight], label="never stopped", linewidth=2.5,
+              alpha=0.5)
+    left.plot([r["step"] for r in resumed], [r["loss"] for r in resumed], "--", label="stopped and resumed",
+              linewidth=1.5)
+    differences = [abs(a["loss"] - b["loss"]) for a, b in zip(straight, resumed, strict=True)]
+    right.plot([r["step"] for r in resumed], [max(d, 1e-9) for d in differences], marker="o", markersize=3,
+               label=f"largest {max(differences):.1e}")
+    for ax in (left, right):
+        ax.axvline(stopped_at + 0.5, color="grey", linestyle=":", label=f"SIGUSR1: saved step {stopped_at}, exit 0")
+        ax.set_xlabel("step")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    left.set_ylabel("training loss")
+    left.set_title("Chapter 01 stopped by a signal, then started again", fontsize="medium")
+    right.set_yscale("log")
+    right.set_ylabel("|loss - the unstopped run's| (0 drawn at 1e-9)")
+    right.set_title("The resumed run is the run never stopped", fontsize="medium")
+    figure.tight_layout()
+    return save(figure, out_dir / "preemption.png")
+
+
 def chapter_figure(out_dir, chapter, name):
     """A figure that lives next to its chapter's README, or in --out-dir when one is given."""
     return REPO / CHAPTERS[chapter] / name if out_dir == FIGURES else out_dir / name
@@ -505,6 +585,8 @@ FIGURE_MAKERS = {
     "parity_matrix": make_parity_matrix,
     "batch_size_lr": make_batch_size_lr,
     "mixed_precision": make_mixed_precision,
+    "determinism": make_determinism,
+    "preemption": make_preemption,
 }
 
 
