@@ -9,6 +9,7 @@ start it:
 """
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import json
@@ -118,6 +119,8 @@ def main():
     # 6. The training loop.
     model.train()
     micro_batches = get_micro_batches(dataset, args, train_state, device, rank, world_size)
+    # NOTE: closed at exit, which stops its DataLoader workers: they ignore the SIGTERM Python's exit sends them.
+    atexit.register(micro_batches.close)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True,

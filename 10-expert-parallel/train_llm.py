@@ -8,6 +8,7 @@ with an all-to-all and its outputs come back with another. The rest of the model
 """
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import functools
@@ -136,13 +137,15 @@ def main():
     # 6. The training loop.
     model.train()
     micro_batches = get_micro_batches(dataset, args, train_state, device, rank, world_size)
+    # NOTE: closed at exit, which stops its DataLoader workers: they ignore the SIGTERM Python's exit sends them.
+    atexit.register(micro_batches.close)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
     progress_bar = tqdm(total=max_steps, initial=train_state["step"], unit="step", dynamic_ncols=True,
                         disable=rank != 0)
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
-    stop_signals = catch_stop_signals()
+    stop_signals, stop_group = catch_stop_signals(), dist.new_group(backend="gloo", timeout=timeout)
     for step in range(first_step, last_step + 1):
         step_loss, step_aux_loss = torch.zeros((), device=device), torch.zeros((), device=device)
         for _ in range(args.grad_accum):
@@ -170,7 +173,7 @@ def main():
         progress_bar.update()
         # NOTE: every rank stops after the same step: the signals seen, summed on the CPU (gloo), no wait for the GPU.
         stop = torch.tensor(len(stop_signals))
-        dist.all_reduce(stop, group=checkpoint_group)
+        dist.all_reduce(stop, group=stop_group)
         if stop:
             last_step = step
 
@@ -202,6 +205,8 @@ def main():
 
     if background_save is not None:
         background_save.wait()
+        # NOTE: rank 0 renames the last checkpoint complete; no rank exits before (a launcher may then stop it).
+        dist.barrier(group=checkpoint_group)
     progress_bar.close()
     if rank == 0:
         metrics_file.close()

@@ -16,8 +16,8 @@ import common
 
 def main():
     args = common.parse_args()
-    common.require(not args.cpu_offload and args.exit_after_steps is None,
-                   "--cpu-offload and --exit-after-steps are chapter 04's; leave them out here")
+    common.require(not args.cpu_offload and not args.async_checkpoint and args.exit_after_steps is None,
+                   "--cpu-offload, --async-checkpoint and --exit-after-steps are chapter 04's; leave them out here")
     # NOTE: fsdp_version=2 is fully_shard(); one group per decoder layer, named as chapter 04 groups them.
     # NOTE: cpu_ram_efficient_loading=False: every rank builds the full model; init_weights() overwrites it anyway.
     fsdp_plugin = FullyShardedDataParallelPlugin(

@@ -16,8 +16,8 @@ import common
 
 def main():
     args = common.parse_args()
-    common.require(not args.cpu_offload and args.exit_after_steps is None,
-                   "--cpu-offload and --exit-after-steps are chapter 04's; leave them out here")
+    common.require(not args.cpu_offload and not args.async_checkpoint and args.exit_after_steps is None,
+                   "--cpu-offload, --async-checkpoint and --exit-after-steps are chapter 04's; leave them out here")
     cuda = torch.cuda.is_available()
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.bfloat16 if cuda else torch.float32
     deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -521,6 +522,39 @@ def make_determinism(runner, out_dir):
     return save(figure, out_dir / "determinism.png")
 
 
+def make_data_loading(runner, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # NOTE: the page's experiment: chapter 01's defaults (batch 8 x 256 tokens), only the workers change.
+    steps = 3 if runner.fast else 30
+    runs = {workers: plot_runs.read_metrics(runner.train(f"data-loading-workers-{workers}", "01", None, [
+        "--seq-length", "256", "--batch-size", "8", "--max-steps", str(steps), "--num-workers", str(workers)]))
+        for workers in (0, 1, 2)}
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10.5, 3.6))
+    for (workers, records), style in zip(runs.items(), ["-", "--", ":"]):
+        left.plot([r["step"] for r in records], [r["loss"] for r in records], style, linewidth=1.5,
+                  label=f"--num-workers {workers}")
+    # NOTE: the median over the steps after the first tenth: the first steps start the workers and warm the caches.
+    speeds = [statistics.median(r["tokens_per_second"] for r in records[len(records) // 10:])
+              for records in runs.values()]
+    bars = right.bar([str(workers) for workers in runs], speeds, color="#4c72b0")
+    right.bar_label(bars, labels=[f"{speed:,.0f}" for speed in speeds], fontsize="small")
+    left.set_xlabel("step")
+    left.set_ylabel("training loss")
+    left.set_title("The same sequences in the same order: the same losses", fontsize="medium")
+    left.legend(fontsize="small")
+    right.set_xlabel("--num-workers")
+    right.set_ylabel("tokens/s (median of the logged steps)")
+    right.set_title("On 2 CPU cores, workers take cores from training", fontsize="medium")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+    figure.tight_layout()
+    return save(figure, out_dir / "data_loading.png")
+
+
 def make_preemption(runner, out_dir):
     """Chapter 01 stopped by SIGUSR1 once it has logged step 8 (or 1), resumed, against the run never stopped."""
     import signal
@@ -586,6 +620,7 @@ FIGURE_MAKERS = {
     "batch_size_lr": make_batch_size_lr,
     "mixed_precision": make_mixed_precision,
     "determinism": make_determinism,
+    "data_loading": make_data_loading,
     "preemption": make_preemption,
 }
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, TINY_MODEL, error_line, grad_norm_difference,
-                     load_script, logged_step, max_difference, printed, read_losses, read_metrics, script, train,
-                     train_until_signalled, with_faults)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, TINY_MODEL, cold_start, error_line,
+                     grad_norm_difference, load_script, logged_step, max_difference, printed, read_losses, read_metrics,
+                     script, train, train_until_signalled, with_faults)
 
 
 
@@ -27,6 +27,14 @@ def test_quick_start_command_trains_and_the_loss_falls(quick_start):
     print(f"quick start: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses) * 10} steps")
     assert losses[-1] < losses[0] - 2.0
     assert "tokens/s" in result.stdout and "MFU n/a" in result.stdout
+
+
+def test_a_crash_with_a_dataloader_worker_exits_instead_of_hanging(env, tmp_path):
+    # NOTE: the worker ignores SIGTERM (catch_stop_signals); without the data closed at exit, Python's exit sends it
+    # SIGTERM and waits for it forever. Cold: a warm-started process leaves without Python's exit.
+    fault_env = with_faults(cold_start(env), FAULT_RAISE_AFTER_STEPS="2")
+    result, _ = train("01", fault_env, tmp_path, "--max-steps", "1000", "--num-workers", "1", check=False, timeout=60)
+    assert result.returncode == 1 and "injected fault on rank 0 after 2 optimizer steps" in result.stderr
 
 
 def test_resume_is_exact(env, tmp_path):

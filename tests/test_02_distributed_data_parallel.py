@@ -150,8 +150,9 @@ def test_a_zero1_checkpoint_holds_the_full_optimizer_state(env, runs):
 
 def test_one_failing_rank_ends_the_job_and_its_error_is_reported(env, tmp_path):
     fault_env = with_faults(env, FAULT_RAISE_AFTER_STEPS="2", FAULT_RANK="1", WANDB_MODE="offline")
-    result, _ = train("02", fault_env, tmp_path, "--max-steps", "1000", "--batch-size", "2", nproc=2, check=False,
-                      timeout=180)
+    # NOTE: with a DataLoader worker, as by default: the workers ignore SIGTERM, and must still not outlive the rank.
+    result, _ = train("02", fault_env, tmp_path, "--max-steps", "1000", "--batch-size", "2", "--num-workers", "1",
+                      nproc=2, check=False, timeout=180)
     ended = time.time()
     assert result.returncode != 0
     # torchrun's summary names the first failure (from the error file @record wrote) under "Root Cause".

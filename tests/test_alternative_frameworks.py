@@ -20,7 +20,8 @@ TEN_STEPS = ["--max-steps", "10", "--wandb-mode", "disabled", "--batch-size", "2
 # 1e-6 leaves room for a summation order a framework version may change (fp32's epsilon is 1.2e-7), not more.
 TOLERANCE = 1e-6
 # NOTE: DeepSpeed sums the squares in float64 (deepspeed/runtime/zero/utils.py); torch's fp32 CPU norm of lm_head's
-# 1M-element gradient reads 2.8e-4 of itself low. Measured: 8.2e-5 to 8.8e-5 by step 10 (losses 1.3e-7), the chapters' bound.
+# 1M-element gradient reads 2.8e-4 of itself low. Measured: 8.2e-5 to 8.8e-5 by step 10 (losses 1.3e-7), the
+# chapters' bound.
 NORM_TOLERANCE = {"deepspeed": GRAD_NORM_TOLERANCE}
 
 
