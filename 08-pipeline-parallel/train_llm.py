@@ -78,8 +78,9 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
-    require(dtype != torch.float32 or device.type != "cuda" or config.num_key_value_heads == config.num_attention_heads,
-            "--dtype float32 on CUDA: grouped-query attention runs SDPA's math kernel; use --dtype bfloat16 or auto")
+    require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
+            "--dtype float32 on CUDA: this torch has only SDPA's math kernel for the model's heads; use --dtype "
+            "bfloat16 or auto")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     # NOTE: pp first: consecutive ranks (a node's GPUs) shard one stage; only activations cross to the next node.
@@ -405,6 +406,15 @@ def attention_implementation(config, seq_length):
             f"{window}; use at most {window}")
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
+
+
+def fused_attention_runs(config, device, dtype):
+    # NOTE: asks the installed torch: 2.11 ran fp32 grouped-query attention in no fused kernel, only the math one.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    query, key = (torch.empty(1, heads, 64, head_dim, device=device, dtype=dtype)
+                  for heads in (config.num_attention_heads, config.num_key_value_heads))
+    params = torch.backends.cuda.SDPAParams(query, key, key, None, 0.0, True, True)
+    return torch.backends.cuda.can_use_efficient_attention(params) or torch.backends.cuda.can_use_flash_attention(params)
 
 
 # --pp-schedule's names of torch.distributed.pipelining's schedules (as get_schedule_class() knows them).

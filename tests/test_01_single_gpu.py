@@ -260,10 +260,10 @@ def test_bad_input_gets_a_one_line_error(env, tmp_path, case):
 
 
 def fp32_attention_check(chapter):
-    """The statement of a chapter's main() that refuses fp32 grouped-query attention on CUDA, and its source."""
+    """The statement of a chapter's main() that refuses fp32 attention on CUDA without a fused kernel, and its source."""
     source = script(chapter).read_text()
     main = next(node for node in ast.parse(source).body if getattr(node, "name", None) == "main")
-    check, = [node for node in main.body if "num_key_value_heads" in ast.get_source_segment(source, node)]
+    check, = [node for node in main.body if "fused_attention_runs" in ast.get_source_segment(source, node)]
     built = next(node for node in main.body if "from_config" in ast.get_source_segment(source, node))
     assert check.lineno < built.lineno, f"chapter {chapter} checks after building the model"
     return check, ast.get_source_segment(source, check)
@@ -271,33 +271,56 @@ def fp32_attention_check(chapter):
 
 @pytest.mark.quick
 @pytest.mark.parametrize("chapter", CHAPTERS)
-def test_every_chapter_refuses_fp32_grouped_query_attention_on_cuda_before_the_model(chapter):
-    """On CUDA, SDPA runs fp32 attention with fewer key/value than query heads only in its math kernel, which
-    keeps every head's S x S score matrix (measured on an H200 with torch 2.11, 01's README): the same check in
-    every chapter, ahead of the model, refuses exactly that."""
+def test_every_chapter_refuses_fp32_attention_without_a_fused_kernel_on_cuda_before_the_model(chapter):
+    """On CUDA, torch 2.11 ran fp32 attention with fewer key/value than query heads only in SDPA's math kernel, which
+    keeps every head's S x S score matrix (measured on an H200, 01's README): the same check in every chapter, ahead
+    of the model, asks the installed torch (fused_attention_runs) and refuses exactly when it says no."""
     check, text = fp32_attention_check(chapter)
     assert text == fp32_attention_check("01")[1]
     code = compile(ast.Module([check], []), script(chapter), "exec")
     grouped, multi_head = (SimpleNamespace(num_attention_heads=32, num_key_value_heads=kv) for kv in (8, 32))
     require = load_script(chapter).require
+    asked = []
 
     def run_check(device, dtype, config):
+        # NOTE: torch 2.11's answer: a fused kernel only for equal heads.
+        def like_torch_2_11(config, device, dtype):
+            asked.append(dtype)
+            return config.num_key_value_heads == config.num_attention_heads
         exec(code, {"require": require, "torch": torch, "device": torch.device(device), "dtype": dtype,
-                    "config": config})
+                    "config": config, "fused_attention_runs": like_torch_2_11})
 
     for allowed in [("cpu", torch.float32, grouped), ("cuda", torch.bfloat16, grouped),
                     ("cuda", torch.float32, multi_head)]:
         run_check(*allowed)
     with pytest.raises(SystemExit, match="^error: --dtype float32 on CUDA: .* use --dtype bfloat16 or auto$"):
         run_check("cuda", torch.float32, grouped)
+    assert asked == [torch.float32, torch.float32], "torch is asked about fp32 on CUDA only"
+
+
+def test_fused_attention_runs_asks_torch_about_the_call_transformers_makes(monkeypatch):
+    # NOTE: transformers' SDPA passes enable_gqa=True and no mask on CUDA (use_gqa_in_sdpa); the chapters, is_causal.
+    chapter = load_script("01")
+    config = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, hidden_size=256)
+    seen = []
+    monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", lambda params: seen.append(params) or False)
+    monkeypatch.setattr(torch.backends.cuda, "can_use_flash_attention", lambda params: False)
+    assert not chapter.fused_attention_runs(config, torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", lambda params: True)
+    assert chapter.fused_attention_runs(config, torch.device("cpu"), torch.float32)
+    params, = seen
+    assert params.query.shape[1] == 8 and params.key.shape[1] == params.value.shape[1] == 4
+    assert params.query.shape[-1] == 32 and params.query.dtype == torch.float32
+    assert params.enable_gqa and params.is_causal and params.attn_mask is None and params.dropout == 0.0
 
 
 def test_fp32_on_a_pretended_gpu_gets_a_one_line_error_before_the_model_is_built(monkeypatch, tmp_path):
     # The tiny model has 8 query and 4 key/value heads; main() stops before anything touches the (absent) GPU.
     chapter = load_script("01")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(chapter, "fused_attention_runs", lambda config, device, dtype: False)
     monkeypatch.setattr(sys, "argv", ["train_llm.py", "--dtype", "float32", "--save-dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="^error: --dtype float32 on CUDA: grouped-query attention runs SDPA's"):
+    with pytest.raises(SystemExit, match="^error: --dtype float32 on CUDA: this torch has only SDPA's math kernel"):
         chapter.main()
 
 
