@@ -221,7 +221,7 @@ def test_a_kill_during_the_background_write_leaves_the_previous_checkpoint_to_re
     assert grad_norm_difference(straight, killed, clipped=True) == 0
 
 
-def test_step_time_with_and_without_a_save_in_flight(env, tmp_path):
+def test_an_async_save_blocks_less_than_a_synchronous_one_and_trains_the_same_losses(env, tmp_path):
     # 19 steps on 2 ranks, a save every 3 steps, synchronous and with --async-checkpoint. A step's logged time runs
     # from the previous step's log line, so the step after a save includes what the save blocked (the whole save, or
     # async_save's staging) and, with --async-checkpoint, the training done while the shards are written.

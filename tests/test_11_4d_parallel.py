@@ -108,14 +108,15 @@ def test_resume_in_the_same_4d_layout_is_exact(env, runs, tmp_path):
     assert loss_difference == 0.0 and norm_difference == 0.0 and weight_difference == 0.0
 
 
-# Train in 4D, fine-tune in 1D or 2D: (chapter, processes, flags) with chapter 01's global batch of 4.
 def test_a_sigterm_to_torchrun_checkpoints_the_step_the_workers_stop_at_and_resumes_the_curve(env, runs, tmp_path):
     """Kubernetes' SIGTERM goes to the container's first process, torchrun: it passes it to its workers (pp 2, a
     2-rank job), which save the step they agree on and exit 0; torchrun then exits 1 of the signal it got (its
-    SignalException). Resumed, the curve is chapter 01's with the same global batch, as every layout's is."""
+    SignalException). With --async-checkpoint and a save every 2 steps, the stop's save follows one in flight.
+    Resumed, the curve is chapter 01's with the same global batch, as every layout's is."""
     _, reference = reference_run(runs, env)
     flags = ["--pp", "2", "--batch-size", str(GLOBAL_BATCH)]
-    result, signalled, seconds = train_until_signalled("11", env, tmp_path, *COMMON, *flags, nproc=2, to="launcher",
+    result, signalled, seconds = train_until_signalled("11", env, tmp_path, *COMMON, *flags, "--async-checkpoint",
+                                                       "--ckpt-freq", "2", nproc=2, to="launcher",
                                                        signals=[(logged_step(2), signal.SIGTERM)])
     stopped = read_metrics(signalled)[-1]["step"]
     print(f"\nSIGTERM to torchrun after step 2: stopped at step {stopped}, torchrun exit {result.returncode} "
@@ -133,6 +134,7 @@ def test_a_sigterm_to_torchrun_checkpoints_the_step_the_workers_stop_at_and_resu
     assert grad_norm_difference(reference, resumed, clipped=True) <= GRAD_NORM_TOLERANCE
 
 
+# Train in 4D, fine-tune in 1D or 2D: (chapter, processes, flags) with chapter 01's global batch of 4.
 OTHER_CHAPTERS = {
     "04 dp4": ("04", 4, ["--batch-size", "1"]),
     "07 tp2-dp2": ("07", 4, ["--tp", "2", "--batch-size", "2"]),
