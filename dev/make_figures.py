@@ -548,7 +548,7 @@ def make_data_loading(runner, out_dir):
     left.legend(fontsize="small")
     right.set_xlabel("--num-workers")
     right.set_ylabel("tokens/s (median of the logged steps)")
-    right.set_title("On 2 CPU cores, workers take cores from training", fontsize="medium")
+    right.set_title("The speed at each number of workers", fontsize="medium")
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
     figure.tight_layout()
