@@ -104,7 +104,8 @@ def caught(name):
                              "mutation to the chapter's code")
         (Path(scratch) / path).write_text(source.replace(old, new))
         started = time.perf_counter()
-        result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", test],
+        # NOTE: -n 0: under pytest-xdist, -x ends the run as interrupted (exit 2), which is no verdict.
+        result = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-x", "-q", "-p", "no:cacheprovider", test],
                                 cwd=scratch, capture_output=True, text=True)
         failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
         verdict = "caught" if result.returncode == 1 and failed else "NOT CAUGHT"
