@@ -10,6 +10,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -32,8 +33,32 @@ SUITE_BUDGET_S = 25 * 60
 # lightning sets PYTORCH_NVML_BASED_CUDA_CHECK), which must not reach the processes the tests start.
 STARTING_ENVIRONMENT = dict(os.environ)
 TIMES_FILE = Path(__file__).resolve().parent / "times.json"
+TIMELINE_FILE = Path(__file__).resolve().parent / "timeline.json"
 # What this session ran and how long each test took (the hooks below).
-TIMES = {"started": time.monotonic(), "deselected": 0, "selected": -1, "tests": {}}
+TIMES = {"started": time.monotonic(), "deselected": 0, "selected": -1, "tests": {}, "timeline": {}, "cpu": []}
+
+
+def cpu_times():
+    """The machine's (idle, total) CPU time so far, in clock ticks (/proc/stat), or None off Linux."""
+    try:
+        fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return None
+    return fields[3] + fields[4], sum(fields[:8])  # NOTE: idle and iowait; user to steal
+
+
+def sample_cpu(period_s=2.0):
+    """Every period_s, (seconds since start, idle, total) into TIMES["cpu"]: where the cores sat idle, and when."""
+    while True:
+        sample = cpu_times()
+        if sample is None:
+            return
+        TIMES["cpu"].append((round(time.monotonic() - TIMES["started"], 1), *sample))
+        time.sleep(period_s)
+
+
+if WORKER is None:
+    threading.Thread(target=sample_cpu, daemon=True).start()
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -68,6 +93,9 @@ def pytest_runtest_logreport(report):
     the "@group" pytest-xdist appends to its name."""
     nodeid = report.nodeid.split("@")[0]
     TIMES["tests"][nodeid] = TIMES["tests"].get(nodeid, 0.0) + report.duration
+    worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", WORKER or "main")
+    started = TIMES["timeline"].get(nodeid, (worker, report.start))[1]
+    TIMES["timeline"][nodeid] = (worker, round(started, 1), round(report.stop, 1))
 
 
 def the_whole_suite_ran(session):
@@ -91,12 +119,18 @@ def pytest_sessionfinish(session, exitstatus):
     for nodeid, seconds in times["tests"].items():
         files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
     slowest = sorted(times["tests"].items(), key=lambda item: -item[1])  # NOTE: every test, to find the work to cut
+    samples = times["cpu"] + [(round(total, 1), *(cpu_times() or (0, 0)))]
+    idle = (samples[-1][1] - samples[0][1]) / max(1, samples[-1][2] - samples[0][2]) if len(samples) > 1 else None
     TIMES_FILE.write_text(json.dumps({
         "total_s": round(total, 1), "tests": len(times["tests"]), "budget_s": SUITE_BUDGET_S,
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "warm_start": os.environ.get("WARM_START") != "0",
         "workers": getattr(session.config.option, "numprocesses", None) or 1,
+        "cpu_idle_share": None if idle is None else round(idle, 3),
         "files": {name: round(seconds, 1) for name, seconds in sorted(files.items())},
         "slowest": {nodeid: round(seconds, 1) for nodeid, seconds in slowest}}, indent=1) + "\n")
+    # NOTE: not committed: which worker ran what when, and the cores' idle time, to find where a run waits.
+    TIMELINE_FILE.write_text(json.dumps({"started": time.time() - total, "tests": times["timeline"],
+                                         "cpu": samples}) + "\n")
     if total > SUITE_BUDGET_S:
         times["over_budget"] = total
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
