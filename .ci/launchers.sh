@@ -93,6 +93,9 @@ ReturnToService=2
 InactiveLimit=0
 KillWait=5
 Waittime=0
+# sbatch --wait polls every 2 s, backing off to 8 and 32 s while below MinJobAge/2: at 4 s it stays at 2 s, and a job
+# of 12 s is seen done after 12 to 14 s instead of 42. A finished job's record is kept 4 s and purged within 60 s.
+MinJobAge=4
 # Two "nodes" on one machine: same NodeHostname and NodeAddr, different slurmd ports.
 NodeName=n1 NodeHostname=${host} NodeAddr=127.0.0.1 Port=$((PORT_BASE + 1)) CPUs=2 State=UNKNOWN
 NodeName=n2 NodeHostname=${host} NodeAddr=127.0.0.1 Port=$((PORT_BASE + 2)) CPUs=2 State=UNKNOWN

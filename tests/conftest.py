@@ -7,6 +7,7 @@ The helpers that are plain functions (train(), run(), read_losses(), ...) live i
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -32,9 +33,14 @@ SUITE_BUDGET_S = 25 * 60
 # NOTE: the environment the session started with: a library a test imports in this process may set variables (as
 # lightning sets PYTORCH_NVML_BASED_CUDA_CHECK), which must not reach the processes the tests start.
 STARTING_ENVIRONMENT = dict(os.environ)
+# NOTE: the models tests build in this process run on one thread, as the processes they start do: two threads on
+# cores another worker's jobs keep busy spin at every barrier (a 6 s experiment took 56 s in the suite).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 TIMES_FILE = Path(__file__).resolve().parent / "times.json"
 TIMELINE_FILE = Path(__file__).resolve().parent / "timeline.json"
 # What this session ran and how long each test took (the hooks below).
+# This process's CPU accounting: each test's CPU seconds here, and which test each process marker belongs to.
+CPU = {"tests": {}, "markers": {}}
 TIMES = {"started": time.monotonic(), "deselected": 0, "selected": -1, "tests": {}, "timeline": {}, "cpu": []}
 
 
@@ -88,6 +94,19 @@ def pytest_deselected(items):
     TIMES["deselected"] += len(items)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's CPU seconds in this process and in the processes it waited for (the warm start's children are
+    counted by its server: CPU["markers"] ties them to their test)."""
+    before = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    try:
+        return (yield)
+    finally:
+        after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+        CPU["tests"][item.nodeid.split("@")[0]] = round(sum(
+            end.ru_utime + end.ru_stime - start.ru_utime - start.ru_stime for start, end in zip(before, after)), 2)
+
+
 def pytest_runtest_logreport(report):
     """Each test's time (setup, call and teardown: a shared run counts for the test that first asks for it), without
     the "@group" pytest-xdist appends to its name."""
@@ -112,12 +131,16 @@ def pytest_sessionfinish(session, exitstatus):
     """After a run of the whole suite: each file's time into tests/times.json (tests/time_table.py turns it into
     the table of tests/README.md), and a failure if the suite took longer than SUITE_BUDGET_S."""
     times = TIMES
+    basetemp = session.config._tmp_path_factory.getbasetemp()
+    if WORKER is not None:
+        (basetemp.parent / "shared" / f"cpu-{WORKER}.json").write_text(json.dumps(CPU))
     if WORKER is not None or not the_whole_suite_ran(session):
         return
     total = time.monotonic() - times["started"]
     files = {}
     for nodeid, seconds in times["tests"].items():
         files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
+    cpu_files = cpu_seconds(basetemp)
     slowest = sorted(times["tests"].items(), key=lambda item: -item[1])  # NOTE: every test, to find the work to cut
     samples = times["cpu"] + [(round(total, 1), *(cpu_times() or (0, 0)))]
     idle = (samples[-1][1] - samples[0][1]) / max(1, samples[-1][2] - samples[0][2]) if len(samples) > 1 else None
@@ -127,6 +150,7 @@ def pytest_sessionfinish(session, exitstatus):
         "workers": getattr(session.config.option, "numprocesses", None) or 1,
         "cpu_idle_share": None if idle is None else round(idle, 3),
         "files": {name: round(seconds, 1) for name, seconds in sorted(files.items())},
+        "cpu_s": {name: round(seconds, 1) for name, seconds in sorted(cpu_files.items(), key=lambda item: -item[1])},
         "slowest": {nodeid: round(seconds, 1) for nodeid, seconds in slowest}}, indent=1) + "\n")
     # NOTE: not committed: which worker ran what when, and the cores' idle time, to find where a run waits.
     TIMELINE_FILE.write_text(json.dumps({"started": time.time() - total, "tests": times["timeline"],
@@ -134,6 +158,24 @@ def pytest_sessionfinish(session, exitstatus):
     if total > SUITE_BUDGET_S:
         times["over_budget"] = total
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def cpu_seconds(basetemp):
+    """The CPU seconds each test file used, its processes' included, and the background runs' (in one process, this
+    one's accounting; in a parallel session, each worker's file) and each warm-started process's (its server's)."""
+    accounts = [json.loads(path.read_text()) for path in (basetemp / "shared").glob("cpu-gw*.json")] or [CPU]
+    owners = {marker: owner for account in accounts for marker, owner in account["markers"].items()}
+    used = {}
+    for account in accounts:
+        for nodeid, seconds in account["tests"].items():
+            used[nodeid.split("::")[0]] = used.get(nodeid.split("::")[0], 0.0) + seconds
+    for cpu_file in basetemp.rglob("warm.sock.cpu.jsonl"):
+        served = cpu_file.with_name("warm.sock.served.jsonl").read_text().splitlines()
+        markers = {record["pid"]: record.get("marker") for record in map(json.loads, served)}
+        for record in map(json.loads, cpu_file.read_text().splitlines()):
+            owner = owners.get(markers.get(record["pid"]), "other").split("::")[0]
+            used[owner] = used.get(owner, 0.0) + record["cpu_s"]
+    return used
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -206,9 +248,10 @@ def warm_start(session_dir):
 
 
 @pytest.fixture
-def env(session_dir, warm_start):
+def env(request, session_dir, warm_start):
     """The environment for a chapter's processes (session_environment), with the warm-start server and a marker."""
     marker = uuid.uuid4().hex
+    CPU["markers"][marker] = request.node.nodeid
     environment = {**session_environment(session_dir), **warm_start, "TEST_PROCESS_MARKER": marker}
     yield environment
     assert not processes_with_marker(marker), "the test left processes running"
@@ -284,6 +327,7 @@ def background(request, session_dir, shared_dir):
         else:
             run_env = environment(session_environment(session_dir))
         run_env["TEST_PROCESS_MARKER"] = uuid.uuid4().hex
+        CPU["markers"][run_env["TEST_PROCESS_MARKER"]] = f"background {name}"
         cwd = REPO if environment is None else folder
         started[name] = (SharedBackgroundRun(folder, command(folder), run_env, cwd, nice=nice), folder)
     yield started

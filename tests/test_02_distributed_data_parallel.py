@@ -239,6 +239,9 @@ def test_torchrun_restarts_on_the_agents_store_get_a_one_line_error(env, tmp_pat
     result, _ = train(chapter, env, tmp_path, "--max-steps", "2", *NO_WANDB, nproc=2, check=False, timeout=240,
                       launcher=[*torchrun(2), "--max-restarts", "1"])
     assert result.returncode == 1
+    assert len(re.findall(r"failed \(exitcode: 1\) local_rank", result.stderr)) == 2, "not 2 rounds of workers"
+    # NOTE: a round's first rank to stop prints the line; torchrun then stops the other (SIGTERM), which on a loaded
+    # machine can still be starting up and die before it prints.
     errors = error_lines(result.stderr)
-    assert len(errors) == 4 and all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line for line in errors), errors
+    assert 2 <= len(errors) <= 4 and all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line for line in errors), errors
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"

@@ -6,8 +6,8 @@ that names it, in bounded time, instead of hanging.
 
 The Slurm and MPI tests need a cluster. `eval "$(.ci/launchers.sh up /tmp/slurm-state)"` starts a two-node one on
 this machine (root, Debian); without one they are skipped, or fail when the variable CI is set. Network tests only
-ever use 127.0.0.1. `pytest -s` prints the figures. The processes of srun, mpirun and the elastic restart start cold
-(the launcher_env fixture below); the plain torchrun agents and the reference runs start warm (tests/warm_start).
+ever use 127.0.0.1. `pytest -s` prints the figures. The training processes start warm (tests/warm_start), on the CPUs
+the launcher bound them to; the elastic restart's and the CPU probes' start cold (the launcher_env fixture below).
 """
 
 import os
@@ -49,9 +49,8 @@ def unavailable(reason):
 
 @pytest.fixture
 def launcher_env(env):
-    """The conftest environment, but every process starts cold: the launchers place the processes they start (srun
-    its CPU binding and cgroup, mpirun its core binding), which a process forked by the suite's warm start would not
-    inherit; and each rank of the elastic restart needs its own string-hash seed, which a fork shares."""
+    """The conftest environment, but every process starts cold: each rank of the elastic restart needs its own
+    string-hash seed, which a fork shares, and the CPU probes report what the launcher gave the process itself."""
     return cold_start(env)
 
 
@@ -138,9 +137,9 @@ def assert_matches_reference(runs, env, experiment, what, clipping=()):
     assert norm_difference <= GRAD_NORM_TOLERANCE
 
 
-# NOTE: long: a real 2-node Slurm job whose torchrun agents and ranks start cold (srun places them).
-def test_slurm_with_torchrun_on_two_nodes_matches_chapter_02(env, launcher_env, runs, slurm, repo_lookalike):
-    output = sbatch(["--nodes", "2"], "job.sbatch", launcher_env, repo_lookalike, *train_args(repo_lookalike, "slurm-torchrun"))
+# NOTE: long: a real 2-node Slurm job, whose sbatch, srun and slurmstepd start and stop the job's steps.
+def test_slurm_with_torchrun_on_two_nodes_matches_chapter_02(env, runs, slurm, repo_lookalike):
+    output = sbatch(["--nodes", "2"], "job.sbatch", env, repo_lookalike, *train_args(repo_lookalike, "slurm-torchrun"))
     assert "nodes=n[1-2] nproc/node=1" in output
     assert "started by torchrun" in output and "rank 1 of 2" in output
     # --label: both nodes' torchrun print into the one output file, each line prefixed with its node's number.
@@ -149,16 +148,16 @@ def test_slurm_with_torchrun_on_two_nodes_matches_chapter_02(env, launcher_env, 
     assert_matches_reference(runs, env, repo_lookalike / "outputs" / "slurm-torchrun", "Slurm + torchrun")
 
 
-# NOTE: long: a real 2-node Slurm job whose ranks start cold (srun binds their CPUs).
-def test_slurm_with_srun_alone_matches_chapter_02(env, launcher_env, runs, slurm, repo_lookalike):
-    output = sbatch(["--nodes", "2", "--ntasks-per-node", "1"], "job-srun.sbatch", launcher_env, repo_lookalike,
+# NOTE: long: a real 2-node Slurm job, whose sbatch, srun and slurmstepd start and stop the job's steps.
+def test_slurm_with_srun_alone_matches_chapter_02(env, runs, slurm, repo_lookalike):
+    output = sbatch(["--nodes", "2", "--ntasks-per-node", "1"], "job-srun.sbatch", env, repo_lookalike,
                     *train_args(repo_lookalike, "slurm-srun"))
     assert "started by srun" in output and "rank 1 of 2" in output
     assert_matches_reference(runs, env, repo_lookalike / "outputs" / "slurm-srun", "Slurm + srun")
 
 
-def test_mpirun_matches_chapter_02(env, launcher_env, runs, mpirun, repo_lookalike):
-    mpirun_env = {**launcher_env, "MASTER_PORT": str(free_port())}
+def test_mpirun_matches_chapter_02(env, runs, mpirun, repo_lookalike):
+    mpirun_env = {**env, "MASTER_PORT": str(free_port())}
     if os.geteuid() == 0:
         mpirun_env["MPIRUN_ARGS"] = "--allow-run-as-root"   # Open MPI refuses root without it (CI runs as root)
     # The hosts file next to the script: "localhost slots=2".

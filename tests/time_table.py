@@ -17,14 +17,20 @@ BEGIN, END = "<!-- table: test times, written by tests/time_table.py -->", "<!--
 
 def table(times):
     files = sorted(times["files"].items(), key=lambda item: -item[1])
-    lines = [BEGIN, "", "| file | seconds | share |", "| --- | ---: | ---: |"]
+    cpu = times.get("cpu_s", {})
+    lines = [BEGIN, "", "| file | seconds | share | CPU seconds |", "| --- | ---: | ---: | ---: |"]
     tests_total = sum(times["files"].values())
     for name, seconds in files:
-        lines.append(f"| `{Path(name).name}` | {seconds:,.0f} | {seconds / tests_total:.0%} |")
-    lines += [f"| **pytest, in all** | **{times['total_s']:,.0f}** | |", "",
+        lines.append(f"| `{Path(name).name}` | {seconds:,.0f} | {seconds / tests_total:.0%} | "
+                     f"{cpu.get(name, 0):,.0f} |")
+    background = {name: seconds for name, seconds in cpu.items() if not name.startswith("tests/")}
+    lines += [f"| {name} | | | {seconds:,.0f} |" for name, seconds in background.items()]
+    lines += [f"| **pytest, in all** | **{times['total_s']:,.0f}** | | **{sum(cpu.values()):,.0f}** |", "",
               f"{times['tests']} tests on {times['machine']}, {workers(times)}, warm start "
               f"{'on' if times['warm_start'] else 'off'}; "
-              f"that run's budget was {times['budget_s']:,} s (conftest.py's `SUITE_BUDGET_S`). The slowest tests:", ""]
+              f"that run's budget was {times['budget_s']:,} s (conftest.py's `SUITE_BUDGET_S`); the cores were idle "
+              f"{times.get('cpu_idle_share') or 0:.0%} of the time. CPU seconds are a file's tests' own and those of "
+              f"every process they started, warm or cold. The slowest tests:", ""]
     slowest = list(times["slowest"].items())[:8]
     lines += [f"* {seconds:,.0f} s `{nodeid.replace('tests/', '', 1)}`" for nodeid, seconds in slowest]
     return "\n".join([*lines, "", END])

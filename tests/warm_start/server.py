@@ -24,6 +24,7 @@ import selectors
 import signal
 import socket
 import sys
+import tempfile
 
 # NOTE: what the chapters and the tools import, and the lazily loaded parts of transformers that building a Llama
 # model loads (about 3 s of its own on this CPU).
@@ -57,6 +58,7 @@ def main():
     print("ready", flush=True)
 
     served = open(socket_path + ".served.jsonl", "a")  # NOTE: what ran warm, for the tests of this server
+    cpu_used = open(socket_path + ".cpu.jsonl", "a")  # NOTE: each child's CPU seconds, for the suite's time table
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
     children = {}  # pid -> the client's connection
@@ -86,13 +88,15 @@ def main():
                     selector.close()
                     listener.close()
                     served.close()
+                    cpu_used.close()
                     for other in connections:
                         other.close()
                     run_child(request, fds, connection, set_by_imports)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
                 for fd in fds:
                     os.close(fd)
-                served.write(json.dumps({"pid": pid, "argv": request["argv"], "cwd": request["cwd"]}) + "\n")
+                served.write(json.dumps({"pid": pid, "argv": request["argv"], "cwd": request["cwd"],
+                                         "marker": request["env"].get("TEST_PROCESS_MARKER")}) + "\n")
                 served.flush()
                 children[pid] = connection
                 connections[connection] = [pid, b""]
@@ -112,7 +116,7 @@ def main():
                     connections.pop(connection)
                     continue
                 relay_signals(connection, connections, pid, pending + data)
-        reap(children, connections, selector)
+        reap(children, connections, selector, cpu_used)
 
 
 def receive_request(connection):
@@ -150,10 +154,10 @@ def answer(connection, message):
         pass
 
 
-def reap(children, connections, selector):
+def reap(children, connections, selector, cpu_used):
     while children:
         try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
@@ -161,6 +165,8 @@ def reap(children, connections, selector):
         connection = children.pop(pid, None)
         if connection is None:
             continue
+        cpu_used.write(json.dumps({"pid": pid, "cpu_s": round(usage.ru_utime + usage.ru_stime, 3)}) + "\n")
+        cpu_used.flush()
         if os.WIFSIGNALED(status):
             message = {"signal": os.WTERMSIG(status)}
         else:
@@ -195,6 +201,9 @@ def run_child(request, fds, connection, set_by_imports):
 
     os.setsid()
     be_nice(request.get("nice", 0))
+    # NOTE: the CPUs the client may run on: a launcher's binding (mpirun's cores, srun's CPUs) holds for the command.
+    if request.get("affinity"):
+        os.sched_setaffinity(0, request["affinity"])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED)
     for target, fd in enumerate(fds):
@@ -204,6 +213,7 @@ def run_child(request, fds, connection, set_by_imports):
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update({**set_by_imports, **request["env"]})
+    tempfile.tempdir = None  # NOTE: found again from the client's TMPDIR
     sys.argv = request["argv"]
     sys.path[:] = request["sys_path"]
     run_sitecustomize()

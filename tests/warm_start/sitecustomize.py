@@ -17,8 +17,10 @@ IMPORT_TIME_PREFIXES = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASET
                         "OMP_", "MKL_", "KMP_", "GOMP", "OPENBLAS", "LD_", "CUDA", "TQDM", "MPL", "HOME", "XDG_",
                         "TMPDIR", "LANG", "LC_")
 # NOTE: torchrun's per-worker variables are read when the script runs, not when torch is imported; so are wandb's
-# (WANDB_MODE, WANDB_DIR, ...), which wandb.init() reads.
-RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
+# (WANDB_MODE, WANDB_DIR, ...), which wandb.init() reads, the allocator's (at the first CUDA allocation), the
+# rendezvous store's that the launch files set, and TMPDIR (srun sets it), whose cached value the child drops.
+RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TMPDIR")
 
 
 def import_time_settings(environment, set_by_imports):
@@ -51,7 +53,7 @@ def warm_request():
         return None
     return socket_path, {"argv": sys.argv if path else [sys.argv[0], *arguments[2:]], "path": path,
                          "module": module, "cwd": os.getcwd(), "env": dict(os.environ), "sys_path": sys.path,
-                         "nice": os.nice(0)}
+                         "nice": os.nice(0), "affinity": sorted(os.sched_getaffinity(0))}
 
 
 def run_warm(socket_path, request):
