@@ -49,8 +49,7 @@ def main():
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
-            "--dtype float32 on CUDA: this torch has only SDPA's math kernel for the model's heads; use --dtype "
-            "bfloat16 or auto")
+            "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     with device:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
@@ -295,7 +294,7 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device):
     # NOTE: the order of (seed, epoch), cut at the first sample not yet trained on: resumes are exact.
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = sample_order[samples_seen_in_epoch:]
-    num_samples = len(remaining) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    num_samples = len(remaining) - len(remaining) % (args.batch_size * args.grad_accum)
     return DataLoader(Subset(dataset, remaining[:num_samples]), batch_size=args.batch_size,
                       num_workers=args.num_workers, pin_memory=device.type == "cuda",
                       worker_init_fn=catch_stop_signals)

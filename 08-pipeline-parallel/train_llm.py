@@ -79,8 +79,7 @@ def main():
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
-            "--dtype float32 on CUDA: this torch has only SDPA's math kernel for the model's heads; use --dtype "
-            "bfloat16 or auto")
+            "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     # NOTE: pp first: consecutive ranks (a node's GPUs) shard one stage; only activations cross to the next node.
@@ -267,7 +266,7 @@ def get_parser():
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--ckpt-timeout", type=int, default=3600, help="seconds a checkpoint may take to save or load")
     group.add_argument("--async-checkpoint", action="store_true",
-                       help="copy the shards to host memory and write them in the background while training goes on")
+                       help="write the shards in the background, from a copy in host memory")
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                        help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
@@ -278,8 +277,8 @@ def get_parser():
     group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
     group.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved)")
     group.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
-                       help="reduce-scatter gradients in every micro-batch's backward, or once a step: a stage's "
-                            "whole fp32 gradients held until then, for 1/micro-batches of the traffic")
+                       help="reduce-scatter gradients in every micro-batch's backward, or once a step (less "
+                            "traffic, whole fp32 gradients held)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
     return parser
@@ -581,7 +580,7 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
-    num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    num_samples = len(sampler) - len(sampler) % (args.batch_size * args.grad_accum)
     return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
                       num_workers=args.num_workers, pin_memory=device.type == "cuda",
                       worker_init_fn=catch_stop_signals)

@@ -76,8 +76,7 @@ def main():
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
-            "--dtype float32 on CUDA: this torch has only SDPA's math kernel for the model's heads; use --dtype "
-            "bfloat16 or auto")
+            "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     mesh = get_device_mesh(device, world_size, args.cp)
     check_context_parallel(args, config)
@@ -250,7 +249,7 @@ def get_parser():
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--ckpt-timeout", type=int, default=3600, help="seconds a checkpoint may take to save or load")
     group.add_argument("--async-checkpoint", action="store_true",
-                       help="copy the shards to host memory and write them in the background while training goes on")
+                       help="write the shards in the background, from a copy in host memory")
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                        help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
@@ -507,8 +506,7 @@ class RingAttention(torch.autograd.Function):
         for _, key_value, visible in ring_steps(torch.stack([key, value]), group, load_balance):
             if visible is not None:
                 rows, columns, causal = visible
-                block_output, block_lse = attention_block(query[:, :, rows], key_value[0][:, :, columns],
-                                                          key_value[1][:, :, columns], scale, causal)
+                block_output, block_lse = attention_block(query[:, :, rows], *key_value[..., columns, :], scale, causal)
                 merge_block(output[:, :, rows], lse[:, :, rows], block_output, block_lse)
         # NOTE: kept in the model's dtype, as FlashAttention keeps it: half the bytes of the fp32 merge.
         output = output.to(query.dtype)
@@ -526,9 +524,9 @@ class RingAttention(torch.autograd.Function):
             if visible is not None:
                 rows, columns, causal = visible
                 # NOTE: the final output and log-sum-exp turn each block's scores into its share of the whole softmax.
-                block_grads = attention_block_backward(grad_output[:, :, rows], query[:, :, rows],
-                                                       key_value[0][:, :, columns], key_value[1][:, :, columns],
-                                                       output[:, :, rows], lse[:, :, rows], ctx.scale, causal)
+                block_grads = attention_block_backward(
+                    grad_output[:, :, rows], query[:, :, rows], *key_value[..., columns, :], output[:, :, rows],
+                    lse[:, :, rows], ctx.scale, causal)
                 grad_query[:, :, rows] += block_grads[0]
             if step > 0:
                 # NOTE: the gradient of the block this rank now holds, as far as the ranks before it computed it.
@@ -585,11 +583,11 @@ def visible_block(rank, source, local_length, load_balance):
 def attention_block(query, key, value, scale, causal):
     """softmax(query key^T x scale) value of one block, and each query's log-sum-exp: SDPA's fused kernel."""
     if query.device.type == "cpu":
-        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
-                                                                                 scale=scale)
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, scale=scale)
     elif query.dtype != torch.float32:
-        output, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal,
-                                                                         scale=scale)[:2]
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, 0.0, causal, scale=scale)[:2]
     else:
         # NOTE: FlashAttention takes no fp32, the memory-efficient kernel does: with a query's heads, and a
         # log-sum-exp padded to a multiple of 32 queries.
@@ -736,7 +734,7 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
-    num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    num_samples = len(sampler) - len(sampler) % (args.batch_size * args.grad_accum)
     return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
                       num_workers=args.num_workers, pin_memory=device.type == "cuda",
                       worker_init_fn=catch_stop_signals)

@@ -78,8 +78,7 @@ def main():
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
-            "--dtype float32 on CUDA: this torch has only SDPA's math kernel for the model's heads; use --dtype "
-            "bfloat16 or auto")
+            "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     mesh = get_device_mesh(device, world_size, args.ep, config)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
@@ -253,7 +252,7 @@ def get_parser():
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--ckpt-timeout", type=int, default=3600, help="seconds a checkpoint may take to save or load")
     group.add_argument("--async-checkpoint", action="store_true",
-                       help="copy the shards to host memory and write them in the background while training goes on")
+                       help="write the shards in the background, from a copy in host memory")
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                        help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
@@ -618,7 +617,7 @@ def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, wo
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
-    num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    num_samples = len(sampler) - len(sampler) % (args.batch_size * args.grad_accum)
     return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
                       num_workers=args.num_workers, pin_memory=device.type == "cuda",
                       worker_init_fn=catch_stop_signals)
