@@ -132,7 +132,7 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume from the experiment's latest checkpoint, if it has one.
+    # 4. Resume from the latest checkpoint, if there is one.
     # NOTE: saves and loads wait on a gloo group of their own: writing terabytes may outlast --dist-timeout.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
     # NOTE: an async save's collectives run in a background thread: a group of their own, never interleaved with the
@@ -155,7 +155,7 @@ def main():
     # 6. The training loop.
     model.train()
     micro_batches = get_micro_batches(dataset, args, train_state, device, rank, world_size)
-    # NOTE: closed at exit, which stops its DataLoader workers: they ignore the SIGTERM Python's exit sends them.
+    # NOTE: stops its DataLoader workers at exit: they only note Python's SIGTERM.
     atexit.register(micro_batches.close)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -175,10 +175,9 @@ def main():
         for inputs in step_inputs:
             # NOTE: no autocast: FSDP casts the gathered weights to bf16. No no_sync(): it would keep whole gradients
             # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
-            # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
             loss = model(**inputs, num_items_in_batch=num_label_tokens, use_cache=False).loss
             loss.backward()
-            # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
+            # NOTE: .detach(), not .item(): no wait for the GPU.
             step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -199,7 +198,6 @@ def main():
         if step % args.log_freq == 0 or step == last_step:
             # NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-            # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -306,7 +304,6 @@ def require(condition, message):
 
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
-    # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
     # NOTE: every rank that fails prints its line.
     try:
         yield
@@ -416,8 +413,6 @@ def download_model(model_name):
 
 
 def attention_implementation(config, seq_length, attn_implementation):
-    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
-    # window: the same attention while no sequence outgrows the window.
     if attn_implementation != "sdpa":
         return attn_implementation
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
@@ -428,7 +423,6 @@ def attention_implementation(config, seq_length, attn_implementation):
 
 
 def fused_attention_runs(config, device, dtype):
-    # NOTE: asks the installed torch: 2.11 ran fp32 grouped-query attention in no fused kernel, only the math one.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     query, key = (torch.empty(1, heads, 64, head_dim, device=device, dtype=dtype)
                   for heads in (config.num_attention_heads, config.num_key_value_heads))
@@ -552,7 +546,6 @@ def load_pretrained_weights(model, model_dir):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    # NOTE: from (seed, name, device type) only, not the model's split: later chapters reproduce this run.
     for name, param in model.named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "")
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -597,7 +590,6 @@ def load_and_tokenize_dataset(args, tokenizer):
         for name, raw_dataset in raw_splits.items():
             splits[name], summary = tokenize_split(raw_dataset, schema, tokenizer, args)
             summaries.append(f"{name}: {len(splits[name])} rows of {summary}")
-        # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         datasets.DatasetDict(splits).save_to_disk(temporary_dir)
         (temporary_dir / "summary.txt").write_text("; ".join(summaries))
@@ -722,8 +714,7 @@ def get_micro_batches(dataset, args, train_state, device, rank, world_size):
 
 
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
-    # NOTE: chapter 01's order of (seed, epoch) is cut at the global data position before DistributedSampler deals it
-    # out (rank r gets samples r, r + world_size, ...): a checkpoint of 2 ranks resumes exactly on 3.
+    # NOTE: cut at the global position, then dealt out: a checkpoint resumes exactly on any world size.
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
@@ -832,7 +823,6 @@ class BackgroundSave:
 
 
 def write_checkpoint(experiment_dir, small_state, config):
-    # NOTE: a temporary folder, renamed once complete, then older checkpoints deleted: a crash keeps the last one.
     final_dir = experiment_dir / f"checkpoint-{small_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     torch.save(small_state, temporary_dir / "train_state.pt")
@@ -857,7 +847,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, grou
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    # NOTE: weights_only: a checkpoint cannot run code. The RNG states must be CPU tensors, whoever wrote them.
+    # NOTE: the RNG states must be CPU tensors, whoever wrote them.
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
@@ -868,8 +858,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
+# NOTE: the current device's CUDA state only, its own GPU's: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -881,8 +870,7 @@ def set_rng_state(rng_state):
 
 
 def catch_stop_signals(worker_id=None):
-    # NOTE: only noted: the loop ends the step, saves a checkpoint and exits 0 (related-topics/preemption.md). In a
-    # DataLoader worker too: PyTorch's die of a SIGTERM to the process group, and fail the main process's step.
+    # NOTE: only noted, in DataLoader workers too (related-topics/preemption.md).
     stop_signals = []
     for signal_number in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signal_number, lambda number, frame: stop_signals.append(number))
@@ -893,7 +881,6 @@ def catch_stop_signals(worker_id=None):
 
 
 def get_wandb_mode(requested_mode):
-    # NOTE: never stop and ask for an API key.
     return requested_mode or os.environ.get("WANDB_MODE") or (
         "online" if wandb.login(prompt=False, verify=False) else "offline")
 
@@ -906,14 +893,13 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: 6 per matmul weight (the input embedding is a lookup, unless tied), 12 * L * H * Q * T for attention (PaLM).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-# Dense bf16 peak FLOP/s: NVIDIA's data sheets (half the "with sparsity" figures; A10G: AWS's).
+# Dense bf16 peak FLOP/s, from the data sheets.
 PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
                    "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
@@ -922,7 +908,6 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40".
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]

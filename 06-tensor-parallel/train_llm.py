@@ -66,7 +66,7 @@ def main():
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
-    # 1. The model: built from its config (untrained), every parameter initialized from the seed.
+    # 1. The model: from its config (untrained), initialized from the seed.
     with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
         config = AutoConfig.from_pretrained(args.model_name)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
@@ -87,7 +87,7 @@ def main():
     reset_rotary_embeddings(model, device)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 
-    # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
+    # 2. The data: tokenized once, cut into sequences, cached on disk.
     with rank_zero_first():
         dataset = load_and_tokenize_dataset(args, tokenizer)
     # NOTE: the ranks compute one model, so they all read the same batch: for the data, one replica (rank 0 of 1).
@@ -106,7 +106,7 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume from the experiment's latest checkpoint, if it has one.
+    # 4. Resume from the latest checkpoint, if there is one.
     # NOTE: saves and loads wait on a gloo group of their own: writing terabytes may outlast --dist-timeout.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
     # NOTE: an async save's collectives run in a background thread: a group of their own, never interleaved with the
@@ -130,7 +130,7 @@ def main():
     # 6. The training loop.
     model.train()
     micro_batches = get_micro_batches(dataset, args, train_state, device, 0, 1)
-    # NOTE: closed at exit, which stops its DataLoader workers: they ignore the SIGTERM Python's exit sends them.
+    # NOTE: stops its DataLoader workers at exit: they only note Python's SIGTERM.
     atexit.register(micro_batches.close)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -146,11 +146,10 @@ def main():
             # NOTE: loss_parallel(), around backward too, computes the loss (a DTensor) from logits split along the
             # vocabulary. Autocast, as no FSDP casts the weights.
             with loss_parallel(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-                # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
                 loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
             with loss_parallel():
                 loss.backward()
-            # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
+            # NOTE: .detach(), not .item(): no wait for the GPU.
             step_loss += loss.detach().full_tensor()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -172,7 +171,6 @@ def main():
             # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG).
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             step_loss /= world_size
-            # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -267,7 +265,6 @@ def require(condition, message):
 
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
-    # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
     # NOTE: every rank that fails prints its line.
     try:
         yield
@@ -364,8 +361,6 @@ def rank_zero_first():
 
 
 def attention_implementation(config, seq_length):
-    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
-    # window: the same attention while no sequence outgrows the window.
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
             f"{window}; use at most {window}")
@@ -374,7 +369,6 @@ def attention_implementation(config, seq_length):
 
 
 def fused_attention_runs(config, device, dtype):
-    # NOTE: asks the installed torch: 2.11 ran fp32 grouped-query attention in no fused kernel, only the math one.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     query, key = (torch.empty(1, heads, 64, head_dim, device=device, dtype=dtype)
                   for heads in (config.num_attention_heads, config.num_key_value_heads))
@@ -421,7 +415,6 @@ def parallelize_model(model, tp_mesh):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    # NOTE: from (seed, name, device type) only, not the model's split: later chapters reproduce this run.
     for name, param in model.named_parameters():
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full_value = torch.empty(param.shape, device=param.device)
@@ -457,7 +450,6 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -489,8 +481,7 @@ def get_micro_batches(dataset, args, train_state, device, rank, world_size):
 
 
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
-    # NOTE: chapter 01's order of (seed, epoch) is cut at the global data position before DistributedSampler deals it
-    # out (rank r gets samples r, r + world_size, ...): a checkpoint of 2 ranks resumes exactly on 3.
+    # NOTE: cut at the global position, then dealt out: a checkpoint resumes exactly on any world size.
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
@@ -580,7 +571,6 @@ class BackgroundSave:
 
 
 def write_checkpoint(experiment_dir, small_state, config):
-    # NOTE: a temporary folder, renamed once complete, then older checkpoints deleted: a crash keeps the last one.
     final_dir = experiment_dir / f"checkpoint-{small_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     torch.save(small_state, temporary_dir / "train_state.pt")
@@ -605,7 +595,7 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, grou
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    # NOTE: weights_only: a checkpoint cannot run code. The RNG states must be CPU tensors, whoever wrote them.
+    # NOTE: the RNG states must be CPU tensors, whoever wrote them.
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
@@ -616,8 +606,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
+# NOTE: the current device's CUDA state only, its own GPU's: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -629,8 +618,7 @@ def set_rng_state(rng_state):
 
 
 def catch_stop_signals(worker_id=None):
-    # NOTE: only noted: the loop ends the step, saves a checkpoint and exits 0 (related-topics/preemption.md). In a
-    # DataLoader worker too: PyTorch's die of a SIGTERM to the process group, and fail the main process's step.
+    # NOTE: only noted, in DataLoader workers too (related-topics/preemption.md).
     stop_signals = []
     for signal_number in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signal_number, lambda number, frame: stop_signals.append(number))
@@ -641,7 +629,6 @@ def catch_stop_signals(worker_id=None):
 
 
 def get_wandb_mode(requested_mode):
-    # NOTE: never stop and ask for an API key.
     return requested_mode or os.environ.get("WANDB_MODE") or (
         "online" if wandb.login(prompt=False, verify=False) else "offline")
 
@@ -654,14 +641,13 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: 6 per matmul weight (the input embedding is a lookup, unless tied), 12 * L * H * Q * T for attention (PaLM).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-# Dense bf16 peak FLOP/s: NVIDIA's data sheets (half the "with sparsity" figures; A10G: AWS's).
+# Dense bf16 peak FLOP/s, from the data sheets.
 PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
                    "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
@@ -670,7 +656,6 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40".
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]
