@@ -41,7 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
 
 
-# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
+# NOTE: @record: torchrun's error summary shows this rank's exception.
 @record
 def main():
     args = parse_args()
@@ -50,7 +50,6 @@ def main():
     LOGGER.info(f"arguments: {vars(args)}")
     LOGGER.info(f"started by {launcher} on {socket.gethostname()}, rendezvous at {os.environ['MASTER_ADDR']}:"
                 f"{os.environ['MASTER_PORT']}")
-    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     device = get_device(local_rank)
     if device.type == "cuda":
@@ -147,7 +146,6 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: every rank stops after the same step: the signals seen, summed on the CPU (gloo), no wait for the GPU.
         stop = torch.tensor(len(stop_signals))
         dist.all_reduce(stop, group=stop_group)
         if stop:
@@ -253,8 +251,6 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -282,7 +278,6 @@ def get_distributed_environment(rdzv_timeout):
 
 
 def wait_for_rendezvous(host, port, timeout, rank):
-    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank waiting until --dist-timeout.
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -306,7 +301,7 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
+    # NOTE: a process that sees one GPU finds it at cuda:0, whatever its local rank.
     # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -318,7 +313,6 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -442,7 +436,6 @@ def find_latest_checkpoint(experiment_dir):
 
 
 def find_latest_checkpoint_on_rank_zero(experiment_dir):
-    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
     choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]

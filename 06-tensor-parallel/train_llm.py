@@ -43,7 +43,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
 
 
-# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
+# NOTE: @record: torchrun's error summary shows this rank's exception.
 @record
 def main():
     args = parse_args()
@@ -52,7 +52,6 @@ def main():
     LOGGER.info(f"arguments: {vars(args)}")
     LOGGER.info(f"started by {launcher} on {socket.gethostname()}, rendezvous at {os.environ['MASTER_ADDR']}:"
                 f"{os.environ['MASTER_PORT']}")
-    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     device = get_device(local_rank)
     if device.type == "cuda":
@@ -76,8 +75,6 @@ def main():
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     check_tensor_parallel_degree(world_size, config, args.seq_length)
     tp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
-    # NOTE: on the meta device, parameters have shapes but no memory; sharded, to_empty() allocates only this rank's
-    # shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
@@ -107,10 +104,7 @@ def main():
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
     # 4. Resume from the latest checkpoint, if there is one.
-    # NOTE: saves and loads wait on a gloo group of their own: writing terabytes may outlast --dist-timeout.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
-    # NOTE: an async save's collectives run in a background thread: a group of their own, never interleaved with the
-    # main thread's.
     background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=args.ckpt_timeout))) if args.async_checkpoint else None
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
@@ -161,7 +155,6 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: every rank stops after the same step: the signals seen, summed on the CPU (gloo), no wait for the GPU.
         stop = torch.tensor(len(stop_signals))
         dist.all_reduce(stop, group=stop_group)
         if stop:
@@ -274,8 +267,6 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -303,7 +294,6 @@ def get_distributed_environment(rdzv_timeout):
 
 
 def wait_for_rendezvous(host, port, timeout, rank):
-    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank waiting until --dist-timeout.
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -327,7 +317,7 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
+    # NOTE: a process that sees one GPU finds it at cuda:0, whatever its local rank.
     # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -339,7 +329,6 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -377,7 +366,6 @@ def fused_attention_runs(config, device, dtype):
 
 
 def check_tensor_parallel_degree(degree, config, seq_length):
-    # NOTE: each rank computes whole key/value heads and equal slices of the MLP, the vocabulary and the tokens.
     sizes = (config.num_key_value_heads, config.intermediate_size, config.vocab_size, seq_length)
     require(all(size % degree == 0 for size in sizes), f"the tensor-parallel degree {degree} does not divide the "
             f"key/value heads, MLP width, vocabulary and --seq-length {sizes}; use a divisor of each")
@@ -386,14 +374,13 @@ def check_tensor_parallel_degree(degree, config, seq_length):
 def parallelize_model(model, tp_mesh):
     """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise."""
     parallelize_module(model, tp_mesh, {
-        # NOTE: whole embeddings: Hugging Face computes the positions from their length.
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
-    # NOTE: a tied head (Llama 3.2 1B) got its own DTensor, a second matrix: both Shard(0), it takes the embedding's.
+    # NOTE: tensor parallelism gave a tied head a second matrix: tie it again.
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for layer in model.model.layers:
@@ -420,13 +407,12 @@ def init_weights(model, seed):
         full_value = torch.empty(param.shape, device=param.device)
         full_value.normal_(0, model.config.initializer_range, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
-        # NOTE: param is this rank's shard (a DTensor): its slice of the full value, chapter 01's weights exactly.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
 @torch.no_grad()
 def reset_rotary_embeddings(model, device):
-    # NOTE: to_empty() left the rotary frequencies uninitialized: neither init_weights() nor a checkpoint restores them.
+    # NOTE: to_empty() left the rotary frequencies uninitialized, and no checkpoint holds them.
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
             for name, buffer in type(module)(module.config).named_buffers():
@@ -511,7 +497,6 @@ def find_latest_checkpoint(experiment_dir):
 
 
 def find_latest_checkpoint_on_rank_zero(experiment_dir):
-    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
     choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
@@ -525,7 +510,6 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     if rank == 0:
         shutil.rmtree(temporary_dir, ignore_errors=True)
     dist.barrier(group=group)
-    # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     # NOTE: the small state of this step, for rank 0 to write once every rank's shards are.
     small_state = {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state}
@@ -552,8 +536,7 @@ class BackgroundSave:
 
     def start(self, state, checkpoint_id, finish):
         self.wait()
-        # NOTE: async_save copies every shard (CPU ones too) to new host memory before it returns: training on cannot
-        # change what is written.
+        # NOTE: copies every shard to new host memory first: training on cannot change what is written.
         self.future = dcp.async_save(state, checkpoint_id=checkpoint_id, process_group=self.group)
         self.finish = finish
 
@@ -563,7 +546,6 @@ class BackgroundSave:
             self.wait()
 
     def wait(self):
-        # NOTE: DCP writes the metadata after every rank's shards: done means complete, and older ones can go.
         if self.future is not None:
             self.future.result()
             self.future = None
@@ -575,7 +557,6 @@ def write_checkpoint(experiment_dir, small_state, config):
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     torch.save(small_state, temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where -m came from, for convert_to_hf.py's tokenizer (a local folder made absolute).
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -591,7 +572,6 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, grou
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
     require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
-    # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)

@@ -46,7 +46,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
 
 
-# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
+# NOTE: @record: torchrun's error summary shows this rank's exception.
 @record
 def main():
     args = parse_args()
@@ -55,12 +55,11 @@ def main():
     LOGGER.info(f"arguments: {vars(args)}")
     LOGGER.info(f"started by {launcher} on {socket.gethostname()}, rendezvous at {os.environ['MASTER_ADDR']}:"
                 f"{os.environ['MASTER_PORT']}")
-    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     device = get_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # NOTE: with --cpu-offload, clip_grad_norm_ all-reduces norms of CPU gradients: a gloo backend for CPU tensors.
+        # NOTE: --cpu-offload's gradient norms are CPU tensors: gloo all-reduces them.
         dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device,
                                 timeout=timeout)
     else:
@@ -82,8 +81,6 @@ def main():
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     mesh = get_device_mesh(device, world_size, args.ep, config)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
-    # NOTE: on the meta device, parameters have shapes but no memory; sharded, to_empty() allocates only this rank's
-    # shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length),
@@ -114,10 +111,7 @@ def main():
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
     # 4. Resume from the latest checkpoint, if there is one.
-    # NOTE: saves and loads wait on a gloo group of their own: writing terabytes may outlast --dist-timeout.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
-    # NOTE: an async save's collectives run in a background thread: a group of their own, never interleaved with the
-    # main thread's.
     background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=args.ckpt_timeout))) if args.async_checkpoint else None
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
@@ -170,7 +164,6 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: every rank stops after the same step: the signals seen, summed on the CPU (gloo), no wait for the GPU.
         stop = torch.tensor(len(stop_signals))
         dist.all_reduce(stop, group=stop_group)
         if stop:
@@ -288,8 +281,6 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -317,7 +308,6 @@ def get_distributed_environment(rdzv_timeout):
 
 
 def wait_for_rendezvous(host, port, timeout, rank):
-    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank waiting until --dist-timeout.
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -341,7 +331,7 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
+    # NOTE: a process that sees one GPU finds it at cuda:0, whatever its local rank.
     # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -353,7 +343,6 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -391,8 +380,6 @@ def fused_attention_runs(config, device, dtype):
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
-    # NOTE: a group is all-gathered (its gradients reduce-scattered) in one collective: a group per layer keeps a
-    # layer or two whole at a time, the next one prefetched while one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
     # NOTE: the experts shard over edp, split over ep; the rest over every rank, the (edp, ep) mesh flattened.
     fsdp_config = dict(mesh=mesh["edp", "ep"]._flatten("edp_ep"),
@@ -440,13 +427,12 @@ def init_weights(model, seed):
         full_value = torch.empty(param.shape, device=param.device)
         full_value.normal_(0, model.config.initializer_range, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
-        # NOTE: param is this rank's shard (a DTensor): its slice of the full value, chapter 01's weights exactly.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
 @torch.no_grad()
 def reset_rotary_embeddings(model, device):
-    # NOTE: to_empty() left the rotary frequencies uninitialized: neither init_weights() nor a checkpoint restores them.
+    # NOTE: to_empty() left the rotary frequencies uninitialized, and no checkpoint holds them.
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
             for name, buffer in type(module)(module.config).named_buffers():
@@ -634,7 +620,6 @@ def find_latest_checkpoint(experiment_dir):
 
 
 def find_latest_checkpoint_on_rank_zero(experiment_dir):
-    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
     choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
@@ -648,7 +633,6 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     if rank == 0:
         shutil.rmtree(temporary_dir, ignore_errors=True)
     dist.barrier(group=group)
-    # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     # NOTE: the small state of this step, for rank 0 to write once every rank's shards are.
     small_state = {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state}
@@ -675,8 +659,7 @@ class BackgroundSave:
 
     def start(self, state, checkpoint_id, finish):
         self.wait()
-        # NOTE: async_save copies every shard (CPU ones too) to new host memory before it returns: training on cannot
-        # change what is written.
+        # NOTE: copies every shard to new host memory first: training on cannot change what is written.
         self.future = dcp.async_save(state, checkpoint_id=checkpoint_id, process_group=self.group)
         self.finish = finish
 
@@ -686,7 +669,6 @@ class BackgroundSave:
             self.wait()
 
     def wait(self):
-        # NOTE: DCP writes the metadata after every rank's shards: done means complete, and older ones can go.
         if self.future is not None:
             self.future.result()
             self.future = None
@@ -698,7 +680,6 @@ def write_checkpoint(experiment_dir, small_state, config):
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     torch.save(small_state, temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where -m came from, for convert_to_hf.py's tokenizer (a local folder made absolute).
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -714,7 +695,6 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, grou
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
     require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
-    # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)

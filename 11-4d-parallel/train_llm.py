@@ -50,7 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
 
 
-# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
+# NOTE: @record: torchrun's error summary shows this rank's exception.
 @record
 def main():
     args = parse_args()
@@ -59,12 +59,11 @@ def main():
     LOGGER.info(f"arguments: {vars(args)}")
     LOGGER.info(f"started by {launcher} on {socket.gethostname()}, rendezvous at {os.environ['MASTER_ADDR']}:"
                 f"{os.environ['MASTER_PORT']}")
-    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     device = get_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # NOTE: with --cpu-offload, clip_grad_norm_ all-reduces norms of CPU gradients: a gloo backend for CPU tensors.
+        # NOTE: --cpu-offload's gradient norms are CPU tensors: gloo all-reduces them.
         dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device,
                                 timeout=timeout)
     else:
@@ -84,7 +83,6 @@ def main():
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
-    # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
     # NOTE: sub-meshes are looked up outside the loop: mesh["pp"] reads the rank map on the host, a sync per step.
@@ -94,8 +92,6 @@ def main():
     # NOTE: tp splits the tokens of this rank's share of each sequence, and the heads attention gets.
     check_tensor_parallel_degree(tp_degree, config, args.seq_length // args.cp)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
-    # NOTE: on the meta device, parameters have shapes but no memory; sharded, to_empty() allocates only this rank's
-    # shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
@@ -133,10 +129,7 @@ def main():
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
     # 4. Resume from the latest checkpoint, if there is one.
-    # NOTE: saves and loads wait on a gloo group of their own: writing terabytes may outlast --dist-timeout.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
-    # NOTE: an async save's collectives run in a background thread: a group of their own, never interleaved with the
-    # main thread's.
     background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=args.ckpt_timeout))) if args.async_checkpoint else None
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
@@ -195,7 +188,6 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: every rank stops after the same step: the signals seen, summed on the CPU (gloo), no wait for the GPU.
         stop = torch.tensor(len(stop_signals))
         dist.all_reduce(stop, group=stop_group)
         if stop:
@@ -321,8 +313,6 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -350,7 +340,6 @@ def get_distributed_environment(rdzv_timeout):
 
 
 def wait_for_rendezvous(host, port, timeout, rank):
-    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank waiting until --dist-timeout.
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -374,7 +363,7 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
+    # NOTE: a process that sees one GPU finds it at cuda:0, whatever its local rank.
     # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -386,7 +375,6 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -416,7 +404,6 @@ def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
         model.set_attn_implementation(register_context_parallel_attention(mesh["cp"], args.cp_load_balance == "on"))
     # NOTE: chapter 05's activation checkpointing, then torch.compile, would wrap each layer here, before FSDP.
     for stage_module in stage_modules:
-        # NOTE: with pp > 1 a layer runs several micro-batches' forwards (all, under GPipe) before their backwards.
         shard_model(stage_module, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.cpu_offload,
                     reshard_after_forward=args.pp == 1)
     return stage_modules
@@ -439,7 +426,6 @@ def fused_attention_runs(config, device, dtype):
 
 
 def check_tensor_parallel_degree(degree, config, seq_length):
-    # NOTE: each rank computes whole key/value heads and equal slices of the MLP, the vocabulary and the tokens.
     sizes = (config.num_key_value_heads, config.intermediate_size, config.vocab_size, seq_length)
     require(all(size % degree == 0 for size in sizes), f"the tensor-parallel degree {degree} does not divide the "
             f"key/value heads, MLP width, vocabulary and --seq-length {sizes}; use a divisor of each")
@@ -456,7 +442,7 @@ def get_device_mesh(device, world_size, tp_degree, pp_degree, cp_degree):
                             mesh_dim_names=("dp", "pp", "cp", "tp"))
 
 
-# --pp-schedule's names of torch.distributed.pipelining's schedules (as get_schedule_class() knows them).
+# --pp-schedule's names for get_schedule_class().
 PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
 
 
@@ -488,8 +474,6 @@ def check_pipeline_layout(args, world_size, config):
 
 
 def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
-    # NOTE: rank r keeps stages r, r + pp_degree, ... (interleaved), the rest become None; names stay the whole
-    # model's (model.layers.5...), as init_weights() and the checkpoints need.
     num_stages = pp_degree * stages_per_rank
     num_layers = model.config.num_hidden_layers
     # NOTE: the first num_layers % num_stages stages get one layer more than the others.
@@ -523,7 +507,7 @@ class DecoderStage(torch.nn.Module):
     def forward(self, hidden_states):
         if self.embed_tokens is not None:
             hidden_states = self.embed_tokens(hidden_states)
-        # NOTE: the rotary embeddings at the positions the stage is given; no mask: the attention is causal by itself.
+        # NOTE: no mask: the attention is causal by itself.
         position_embeddings = self.rotary_emb(hidden_states, position_ids=self.position_ids)
         for layer in self.layers.values():
             hidden_states = layer(hidden_states, position_ids=self.position_ids,
@@ -551,14 +535,13 @@ def parallelize_model(model, tp_mesh):
     # NOTE: after the pipeline split: only the parts this rank's stages hold, its layers a dict.
     held = dict(model.named_modules())
     parallelize_module(model, tp_mesh, {key: style for key, style in {
-        # NOTE: whole embeddings: Hugging Face computes the positions from their length.
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }.items() if key in held})
-    # NOTE: a tied head (Llama 3.2 1B) got its own DTensor, a second matrix: both Shard(0), it takes the embedding's.
+    # NOTE: tensor parallelism gave a tied head a second matrix: tie it again.
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for layer in model.model.layers.values():
@@ -579,8 +562,6 @@ def parallelize_model(model, tp_mesh):
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
-    # NOTE: a group is all-gathered (its gradients reduce-scattered) in one collective: a group per layer keeps a
-    # layer or two whole at a time, the next one prefetched while one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
     fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -590,8 +571,7 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
         # its backward comes right after. The root group stays gathered for the same reason.
         fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
-    # NOTE: each rank's loss is its share of the global mean: a plain SUM of the gradients (not FSDP's average, nor
-    # NCCL's premultiplied sum, which gloo lacks).
+    # NOTE: each rank's loss is its share of the global mean: a plain SUM (gloo has no premultiplied one).
     for module in [*layers, model]:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
@@ -604,13 +584,12 @@ def init_weights(model, seed):
         full_value = torch.empty(param.shape, device=param.device)
         full_value.normal_(0, model.config.initializer_range, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
-        # NOTE: param is this rank's shard (a DTensor): its slice of the full value, chapter 01's weights exactly.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
 @torch.no_grad()
 def reset_rotary_embeddings(model, device):
-    # NOTE: to_empty() left the rotary frequencies uninitialized: neither init_weights() nor a checkpoint restores them.
+    # NOTE: to_empty() left the rotary frequencies uninitialized, and no checkpoint holds them.
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
             for name, buffer in type(module)(module.config).named_buffers():
@@ -621,7 +600,6 @@ def reset_rotary_embeddings(model, device):
 
 
 def get_token_indices(seq_length, cp_rank, cp_size, load_balance, device):
-    # NOTE: load-balanced, one early chunk and one late: equal work under the causal mask.
     chunks = 2 * cp_size if load_balance else cp_size
     chunk = seq_length // chunks
     owned = [cp_rank, chunks - 1 - cp_rank] if load_balance else [cp_rank]
@@ -662,13 +640,12 @@ class RingAttention(torch.autograd.Function):
             block_grads = None
             if visible is not None:
                 rows, columns, causal = visible
-                # NOTE: the final output and log-sum-exp turn each block's scores into its share of the whole softmax.
                 block_grads = attention_block_backward(
                     grad_output[:, :, rows], query[:, :, rows], *key_value[..., columns, :], output[:, :, rows],
                     lse[:, :, rows], ctx.scale, causal)
                 grad_query[:, :, rows] += block_grads[0]
             if step > 0:
-                # NOTE: the gradient of the block this rank now holds, as far as the ranks before it computed it.
+                # NOTE: the held block's gradient, as far as the ranks before this one computed it.
                 grad_key_value = receive_grad()
             if block_grads is not None:
                 grad_key_value[0][:, :, columns] += block_grads[1]
@@ -683,7 +660,7 @@ def ring_steps(key_value, group, load_balance):
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     for step in range(size):
         if step < size - 1:
-            # NOTE: the next block travels while this one computes: communication overlaps compute.
+            # NOTE: the next block travels while this one computes.
             receive = start_ring_pass(key_value, group, tag=0)
         yield step, key_value, visible_block(rank, (rank - step) % size, key_value.shape[3], load_balance)
         if step < size - 1:
@@ -728,8 +705,6 @@ def attention_block(query, key, value, scale, causal):
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, causal, scale=scale)[:2]
     else:
-        # NOTE: FlashAttention takes no fp32, the memory-efficient kernel does: with a query's heads, and a
-        # log-sum-exp padded to a multiple of 32 queries.
         output, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             query, *repeat_key_value_heads(query, key, value), None, True, 0.0, causal, scale=scale)[:2]
         lse = lse[:, :, :query.shape[2]]
@@ -742,7 +717,6 @@ def attention_block_backward(grad_output, query, key, value, output, lse, scale,
     if query.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_output, query, key, value, output, lse, 0.0, causal, scale=scale)
-    # NOTE: no dropout: the kernels read neither the random state nor (not variable-length) the sequence offsets.
     unused = torch.empty((), dtype=torch.long, device=query.device)
     if query.dtype != torch.float32:
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -848,7 +822,6 @@ def find_latest_checkpoint(experiment_dir):
 
 
 def find_latest_checkpoint_on_rank_zero(experiment_dir):
-    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
     choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
@@ -862,10 +835,8 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     if rank == 0:
         shutil.rmtree(temporary_dir, ignore_errors=True)
     dist.barrier(group=group)
-    # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    # NOTE: DCP saves one copy of the param group, which names this rank's parameters only: list every stage's, so
-    # the checkpoint loads at any --pp and in chapter 04.
+    # NOTE: DCP saves one param group, naming this rank's parameters: list every stage's, for any --pp.
     names_per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(names_per_rank, optimizer_state["param_groups"][0]["params"], group=group)
     optimizer_state["param_groups"][0]["params"] = sorted(set().union(*names_per_rank))
@@ -894,8 +865,7 @@ class BackgroundSave:
 
     def start(self, state, checkpoint_id, finish):
         self.wait()
-        # NOTE: async_save copies every shard (CPU ones too) to new host memory before it returns: training on cannot
-        # change what is written.
+        # NOTE: copies every shard to new host memory first: training on cannot change what is written.
         self.future = dcp.async_save(state, checkpoint_id=checkpoint_id, process_group=self.group)
         self.finish = finish
 
@@ -905,7 +875,6 @@ class BackgroundSave:
             self.wait()
 
     def wait(self):
-        # NOTE: DCP writes the metadata after every rank's shards: done means complete, and older ones can go.
         if self.future is not None:
             self.future.result()
             self.future = None
@@ -917,7 +886,6 @@ def write_checkpoint(experiment_dir, small_state, config):
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     torch.save(small_state, temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where -m came from, for convert_to_hf.py's tokenizer (a local folder made absolute).
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -933,7 +901,6 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, grou
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
     require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
-    # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
@@ -1062,8 +1029,7 @@ class FSDPPipelineStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self.reduce_every_microbatch = reduce_every_microbatch
 
-    # NOTE: a workaround for torch 2.11 to 2.15 (tested), whose PipelineStage defers FSDP's reduce-scatter to the step's
-    # end (pytorch #165106): whole fp32 gradients until then. Here each layer's are reduce-scattered in its backward.
+    # NOTE: torch 2.11-2.15's PipelineStage defers FSDP's reduce-scatter to the step's end (pytorch #165106).
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs, last_backward=False):
         if not self.reduce_every_microbatch:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
@@ -1074,11 +1040,9 @@ class FSDPPipelineStage(PipelineStage):
 
 @torch.no_grad()
 def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
-    # NOTE: clip_grad_norm_() sees this rank's stages only and would clip each by its own norm; the stages' squared
-    # norms add up to the model's (as in torchtitan).
+    # NOTE: this rank's stages only: the stages' squared norms add up to the model's (as in torchtitan).
     parameters = list(parameters)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-    # NOTE: the gradients are FSDP shards (DTensors), and so is their norm: full_tensor() combines the shards'.
     squared_norm = grad_norm.full_tensor() ** 2
     dist.all_reduce(squared_norm, op=dist.ReduceOp.SUM, group=pp_group)
     grad_norm = squared_norm.sqrt()
