@@ -2,7 +2,7 @@
 pipeline stages (chapter 08), tensor (06) and context parallelism (09), and FSDP over the ranks left (04).
 
     torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
-    # 64 nodes of 8 GPUs (dp 2 is what is left), with chapter 03's job script:
+    # 64 nodes of 8 GPUs (dp 2), with chapter 03's job script:
     TRAIN_SCRIPT=11-4d-parallel/train_llm.py sbatch --nodes 64 --gpus-per-node 8 03-job-launchers/job.sbatch \\
         --tp 8 --pp 8 --cp 4 --seq-length 8192 --batch-size 8 -m meta-llama/Llama-3.1-405B -d tatsu-lab/alpaca \\
         -e llama-405b-4d
@@ -85,11 +85,10 @@ def main():
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
-    # NOTE: sub-meshes are looked up outside the loop: mesh["pp"] reads the rank map on the host, a sync per step.
+    # NOTE: looked up once: mesh["pp"] reads the rank map on the host, a sync.
     dp_mesh, pp_mesh, cp_mesh = mesh["dp"], mesh["pp"], mesh["cp"]
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     check_context_parallel(args, config)
-    # NOTE: tp splits the tokens of this rank's share of each sequence, and the heads attention gets.
     check_tensor_parallel_degree(tp_degree, config, args.seq_length // args.cp)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
     with torch.device("meta"):
@@ -97,7 +96,6 @@ def main():
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
-    # NOTE: this rank's tokens of each sequence (all of them without cp), at their positions in the sequence.
     load_balance = args.cp_load_balance == "on" and args.cp > 1
     token_indices = get_token_indices(args.seq_length, cp_mesh.get_local_rank(), args.cp, load_balance, device)
     stage_modules = parallelize(model, mesh, args, dtype, stages_per_rank, token_indices)
@@ -111,7 +109,6 @@ def main():
     # 2. The data: tokenized once, cut into sequences, cached on disk.
     with rank_zero_first():
         dataset = load_and_tokenize_dataset(args, tokenizer)
-    # NOTE: the ranks of a (pp, cp, tp) block read the same batch; data parallelism runs across the blocks.
     dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()
     samples_per_step = args.batch_size * args.grad_accum * dp_size
     steps_per_epoch = len(dataset) // samples_per_step
@@ -147,8 +144,7 @@ def main():
 
     # 6. The training loop, one pipeline schedule per micro-step.
     model.train()
-    # NOTE: each micro-batch's loss is its share of the step's mean over every label of every rank (chapter 09):
-    # the shares add up to chapter 01's loss, and FSDP sums the gradients.
+    # NOTE: each micro-batch's loss is its share of the step's global mean (chapter 09).
     loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1))
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
         stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device,
@@ -167,11 +163,9 @@ def main():
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
             input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
-            # NOTE: shifted before the cp split (a chunk's last label is the next chunk's first token); the first
-            # stage takes this rank's tokens, the last their labels.
+            # NOTE: shifted before the cp split: a chunk's last label is the next chunk's first token.
             labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)[:, token_indices]
             losses = [] if has_last_stage else None
-            # NOTE: loss_parallel(), around the schedule's backward too: the loss of logits split by vocabulary.
             with loss_parallel():
                 schedule.step(*([input_ids[:, token_indices]] if has_first_stage else []),
                               target=labels if has_last_stage else None, losses=losses, return_outputs=False)
@@ -402,7 +396,7 @@ def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
     parallelize_model(model, mesh["tp"])
     if args.cp > 1:
         model.set_attn_implementation(register_context_parallel_attention(mesh["cp"], args.cp_load_balance == "on"))
-    # NOTE: chapter 05's activation checkpointing, then torch.compile, would wrap each layer here, before FSDP.
+    # NOTE: chapter 05's activation checkpointing and torch.compile would wrap each layer here.
     for stage_module in stage_modules:
         shard_model(stage_module, mesh["dp", "cp"]._flatten("dp_cp"), dtype, args.cpu_offload,
                     reshard_after_forward=args.pp == 1)
@@ -432,8 +426,7 @@ def check_tensor_parallel_degree(degree, config, seq_length):
 
 
 def get_device_mesh(device, world_size, tp_degree, pp_degree, cp_degree):
-    # NOTE: Llama 3's order: the last dimension varies fastest, so a tp group is consecutive ranks (a node's GPUs, on
-    # NVLink), then cp, then pp; dp, the outermost, is what is left of the world.
+    # NOTE: Llama 3's order: tp innermost, on a node's consecutive ranks; dp outermost.
     degrees = tp_degree * pp_degree * cp_degree
     require(min(tp_degree, pp_degree, cp_degree) >= 1 and world_size % degrees == 0, f"--tp {tp_degree} x --pp "
             f"{pp_degree} x --cp {cp_degree} = {degrees} does not divide the world size {world_size}; use degrees "
@@ -532,7 +525,6 @@ def register_context_parallel_attention(cp_mesh, load_balance):
 
 def parallelize_model(model, tp_mesh):
     """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise."""
-    # NOTE: after the pipeline split: only the parts this rank's stages hold, its layers a dict.
     held = dict(model.named_modules())
     parallelize_module(model, tp_mesh, {key: style for key, style in {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
