@@ -38,7 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
 
 
-# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
+# NOTE: @record: torchrun's error summary shows this rank's exception.
 @record
 def main():
     args = parse_args()
@@ -48,7 +48,6 @@ def main():
             != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
     setup_logging(rank)
     LOGGER.info(f"arguments: {vars(args)}")
-    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     device = get_device(local_rank)
     if device.type == "cuda":
@@ -62,15 +61,14 @@ def main():
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
-    # 1. The model: built from its config (untrained), every parameter initialized from the seed.
+    # 1. The model: from its config (untrained), initialized from the seed.
     with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
         config = AutoConfig.from_pretrained(args.model_name)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
-            "--dtype float32 on CUDA: this torch has only SDPA's math kernel for the model's heads; use --dtype "
-            "bfloat16 or auto")
+            "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     with device:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
@@ -79,7 +77,7 @@ def main():
     # NOTE: DDP all-reduces the gradients in buckets, overlapped with backward; bucket views: no copies in or out.
     model = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
 
-    # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
+    # 2. The data: tokenized once, cut into sequences, cached on disk.
     with rank_zero_first():
         dataset = load_and_tokenize_dataset(args, tokenizer)
     samples_per_step = args.batch_size * args.grad_accum * world_size
@@ -100,7 +98,7 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume from the experiment's latest checkpoint, if it has one.
+    # 4. Resume from the latest checkpoint, if there is one.
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
     checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is not None:
@@ -118,7 +116,7 @@ def main():
     # 6. The training loop.
     model.train()
     micro_batches = get_micro_batches(dataset, args, train_state, device, rank, world_size)
-    # NOTE: closed at exit, which stops its DataLoader workers: they ignore the SIGTERM Python's exit sends them.
+    # NOTE: stops its DataLoader workers at exit: they only note Python's SIGTERM.
     atexit.register(micro_batches.close)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -134,10 +132,9 @@ def main():
             # NOTE: gradients are averaged once per optimizer step: no_sync() skips the other micro-batches' all-reduce.
             with contextlib.nullcontext() if micro_step == args.grad_accum - 1 else model.no_sync():
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
                     loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
                 loss.backward()
-            # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
+            # NOTE: .detach(), not .item(): no wait for the GPU.
             step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -147,7 +144,6 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: every rank stops after the same step: the signals seen, summed on the CPU (gloo), no wait for the GPU.
         stop = torch.tensor(len(stop_signals))
         dist.all_reduce(stop, group=stop_group)
         if stop:
@@ -157,7 +153,6 @@ def main():
             # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG).
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             step_loss /= world_size
-            # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -244,7 +239,6 @@ def require(condition, message):
 
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
-    # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
     # NOTE: every rank that fails prints its line.
     try:
         yield
@@ -259,7 +253,7 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
+    # NOTE: a process that sees one GPU finds it at cuda:0, whatever its local rank.
     if not torch.cuda.is_available():
         return torch.device("cpu")
     num_gpus = torch.cuda.device_count()
@@ -270,7 +264,6 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -292,8 +285,6 @@ def rank_zero_first():
 
 
 def attention_implementation(config, seq_length):
-    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
-    # window: the same attention while no sequence outgrows the window.
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
             f"{window}; use at most {window}")
@@ -302,7 +293,6 @@ def attention_implementation(config, seq_length):
 
 
 def fused_attention_runs(config, device, dtype):
-    # NOTE: asks the installed torch: 2.11 ran fp32 grouped-query attention in no fused kernel, only the math one.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     query, key = (torch.empty(1, heads, 64, head_dim, device=device, dtype=dtype)
                   for heads in (config.num_attention_heads, config.num_key_value_heads))
@@ -312,7 +302,6 @@ def fused_attention_runs(config, device, dtype):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    # NOTE: from (seed, name, device type) only, not the model's split: later chapters reproduce this run.
     for name, param in model.named_parameters():
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full_value = torch.empty(param.shape, device=param.device)
@@ -337,7 +326,6 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -369,12 +357,11 @@ def get_micro_batches(dataset, args, train_state, device, rank, world_size):
 
 
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
-    # NOTE: chapter 01's order of (seed, epoch) is cut at the global data position before DistributedSampler deals it
-    # out (rank r gets samples r, r + world_size, ...): a checkpoint of 2 ranks resumes exactly on 3.
+    # NOTE: cut at the global position, then dealt out: a checkpoint resumes exactly on any world size.
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
-    num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    num_samples = len(sampler) - len(sampler) % (args.batch_size * args.grad_accum)
     return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
                       num_workers=args.num_workers, pin_memory=device.type == "cuda",
                       worker_init_fn=catch_stop_signals)
@@ -400,7 +387,6 @@ def find_latest_checkpoint(experiment_dir):
 
 
 def find_latest_checkpoint_on_rank_zero(experiment_dir):
-    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
     choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
@@ -419,7 +405,6 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
 
 
 def write_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state, config):
-    # NOTE: a temporary folder, renamed once complete, then older checkpoints deleted: a crash keeps the last one.
     final_dir = experiment_dir / f"checkpoint-{train_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     shutil.rmtree(temporary_dir, ignore_errors=True)
@@ -442,7 +427,6 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, devi
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
     require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
-    # NOTE: weights_only: a checkpoint runs no code. map_location: else a tensor goes back to the device it left.
     # NOTE: without map_location, every rank would load onto the saver's cuda:0.
     model.load_state_dict(torch.load(checkpoint_dir / "model.pt", map_location=device, weights_only=True))
     optimizer.load_state_dict(torch.load(checkpoint_dir / "optimizer.pt", map_location=device, weights_only=True))
@@ -456,8 +440,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
+# NOTE: the current device's CUDA state only, its own GPU's: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -469,8 +452,7 @@ def set_rng_state(rng_state):
 
 
 def catch_stop_signals(worker_id=None):
-    # NOTE: only noted: the loop ends the step, saves a checkpoint and exits 0 (related-topics/preemption.md). In a
-    # DataLoader worker too: PyTorch's die of a SIGTERM to the process group, and fail the main process's step.
+    # NOTE: only noted, in DataLoader workers too (related-topics/preemption.md).
     stop_signals = []
     for signal_number in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signal_number, lambda number, frame: stop_signals.append(number))
@@ -481,7 +463,6 @@ def catch_stop_signals(worker_id=None):
 
 
 def get_wandb_mode(requested_mode):
-    # NOTE: never stop and ask for an API key.
     return requested_mode or os.environ.get("WANDB_MODE") or (
         "online" if wandb.login(prompt=False, verify=False) else "offline")
 
@@ -494,14 +475,13 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: 6 per matmul weight (the input embedding is a lookup, unless tied), 12 * L * H * Q * T for attention (PaLM).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-# Dense bf16 peak FLOP/s: NVIDIA's data sheets (half the "with sparsity" figures; A10G: AWS's).
+# Dense bf16 peak FLOP/s, from the data sheets.
 PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
                    "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
@@ -510,7 +490,6 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40".
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]

@@ -49,7 +49,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
 
 
-# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
+# NOTE: @record: torchrun's error summary shows this rank's exception.
 @record
 def main():
     args = parse_args()
@@ -58,12 +58,11 @@ def main():
     LOGGER.info(f"arguments: {vars(args)}")
     LOGGER.info(f"started by {launcher} on {socket.gethostname()}, rendezvous at {os.environ['MASTER_ADDR']}:"
                 f"{os.environ['MASTER_PORT']}")
-    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     device = get_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # NOTE: with --cpu-offload, clip_grad_norm_ all-reduces norms of CPU gradients: a gloo backend for CPU tensors.
+        # NOTE: --cpu-offload's gradient norms are CPU tensors: gloo all-reduces them.
         dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device,
                                 timeout=timeout)
     else:
@@ -82,15 +81,12 @@ def main():
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
-            "--dtype float32 on CUDA: this torch has only SDPA's math kernel for the model's heads; use --dtype "
-            "bfloat16 or auto")
+            "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     flash_ready = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
     require(args.attn_implementation != "flash_attention_2" or flash_ready, "--attn-implementation flash_attention_2 "
             "needs CUDA and `pip install flash-attn`; use --attn-implementation sdpa")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    # NOTE: on the meta device, parameters have shapes but no memory; sharded, to_empty() allocates only this rank's
-    # shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length, args.attn_implementation),
@@ -133,11 +129,8 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume from the experiment's latest checkpoint, if it has one.
-    # NOTE: saves and loads wait on a gloo group of their own: writing terabytes may outlast --dist-timeout.
+    # 4. Resume from the latest checkpoint, if there is one.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
-    # NOTE: an async save's collectives run in a background thread: a group of their own, never interleaved with the
-    # main thread's.
     background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=args.ckpt_timeout))) if args.async_checkpoint else None
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
@@ -156,7 +149,7 @@ def main():
     # 6. The training loop.
     model.train()
     micro_batches = get_micro_batches(dataset, args, train_state, device, rank, world_size)
-    # NOTE: closed at exit, which stops its DataLoader workers: they ignore the SIGTERM Python's exit sends them.
+    # NOTE: stops its DataLoader workers at exit: they only note Python's SIGTERM.
     atexit.register(micro_batches.close)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -176,10 +169,9 @@ def main():
         for inputs in step_inputs:
             # NOTE: no autocast: FSDP casts the gathered weights to bf16. No no_sync(): it would keep whole gradients
             # until the last micro-batch; FSDP reduce-scatters every micro-batch and accumulates the shards.
-            # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
             loss = model(**inputs, num_items_in_batch=num_label_tokens, use_cache=False).loss
             loss.backward()
-            # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
+            # NOTE: .detach(), not .item(): no wait for the GPU.
             step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -191,7 +183,6 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: every rank stops after the same step: the signals seen, summed on the CPU (gloo), no wait for the GPU.
         stop = torch.tensor(len(stop_signals))
         dist.all_reduce(stop, group=stop_group)
         if stop:
@@ -200,7 +191,6 @@ def main():
         if step % args.log_freq == 0 or step == last_step:
             # NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
-            # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -278,7 +268,7 @@ def get_parser():
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--ckpt-timeout", type=int, default=3600, help="seconds a checkpoint may take to save or load")
     group.add_argument("--async-checkpoint", action="store_true",
-                       help="copy the shards to host memory and write them in the background while training goes on")
+                       help="write the shards in the background, from a copy in host memory")
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                        help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
@@ -307,7 +297,6 @@ def require(condition, message):
 
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
-    # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
     # NOTE: every rank that fails prints its line.
     try:
         yield
@@ -317,8 +306,6 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -346,7 +333,6 @@ def get_distributed_environment(rdzv_timeout):
 
 
 def wait_for_rendezvous(host, port, timeout, rank):
-    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank waiting until --dist-timeout.
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -370,7 +356,7 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
+    # NOTE: a process that sees one GPU finds it at cuda:0, whatever its local rank.
     # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -382,7 +368,6 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -417,8 +402,6 @@ def download_model(model_name):
 
 
 def attention_implementation(config, seq_length, attn_implementation):
-    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
-    # window: the same attention while no sequence outgrows the window.
     if attn_implementation != "sdpa":
         return attn_implementation
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
@@ -429,7 +412,6 @@ def attention_implementation(config, seq_length, attn_implementation):
 
 
 def fused_attention_runs(config, device, dtype):
-    # NOTE: asks the installed torch: 2.11 ran fp32 grouped-query attention in no fused kernel, only the math one.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     query, key = (torch.empty(1, heads, 64, head_dim, device=device, dtype=dtype)
                   for heads in (config.num_attention_heads, config.num_key_value_heads))
@@ -487,8 +469,6 @@ def compile_layers(model):
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
-    # NOTE: a group is all-gathered (its gradients reduce-scattered) in one collective: a group per layer keeps a
-    # layer or two whole at a time, the next one prefetched while one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
     fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -510,8 +490,7 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
     for layer, next_layer in zip(layers, layers[1:]):
         layer.set_modules_to_forward_prefetch([next_layer])
         next_layer.set_modules_to_backward_prefetch([layer])
-    # NOTE: each rank's loss is its share of the global mean: a plain SUM of the gradients (not FSDP's average, nor
-    # NCCL's premultiplied sum, which gloo lacks).
+    # NOTE: each rank's loss is its share of the global mean: a plain SUM (gloo has no premultiplied one).
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -553,20 +532,18 @@ def load_pretrained_weights(model, model_dir):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    # NOTE: from (seed, name, device type) only, not the model's split: later chapters reproduce this run.
     for name, param in model.named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "")
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full_value = torch.empty(param.shape, device=param.device)
         full_value.normal_(0, model.config.initializer_range, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
-        # NOTE: param is this rank's shard (a DTensor): its slice of the full value, chapter 01's weights exactly.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
 @torch.no_grad()
 def reset_rotary_embeddings(model, device):
-    # NOTE: to_empty() left the rotary frequencies uninitialized: neither init_weights() nor a checkpoint restores them.
+    # NOTE: to_empty() left the rotary frequencies uninitialized, and no checkpoint holds them.
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
             for name, buffer in type(module)(module.config).named_buffers():
@@ -598,7 +575,6 @@ def load_and_tokenize_dataset(args, tokenizer):
         for name, raw_dataset in raw_splits.items():
             splits[name], summary = tokenize_split(raw_dataset, schema, tokenizer, args)
             summaries.append(f"{name}: {len(splits[name])} rows of {summary}")
-        # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         datasets.DatasetDict(splits).save_to_disk(temporary_dir)
         (temporary_dir / "summary.txt").write_text("; ".join(summaries))
@@ -723,12 +699,11 @@ def get_micro_batches(dataset, args, train_state, device, rank, world_size):
 
 
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
-    # NOTE: chapter 01's order of (seed, epoch) is cut at the global data position before DistributedSampler deals it
-    # out (rank r gets samples r, r + world_size, ...): a checkpoint of 2 ranks resumes exactly on 3.
+    # NOTE: cut at the global position, then dealt out: a checkpoint resumes exactly on any world size.
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
-    num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    num_samples = len(sampler) - len(sampler) % (args.batch_size * args.grad_accum)
     return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
                       num_workers=args.num_workers, pin_memory=device.type == "cuda",
                       worker_init_fn=catch_stop_signals)
@@ -773,7 +748,6 @@ def find_latest_checkpoint(experiment_dir):
 
 
 def find_latest_checkpoint_on_rank_zero(experiment_dir):
-    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
     choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
@@ -787,7 +761,6 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     if rank == 0:
         shutil.rmtree(temporary_dir, ignore_errors=True)
     dist.barrier(group=group)
-    # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     # NOTE: the small state of this step, for rank 0 to write once every rank's shards are.
     small_state = {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state}
@@ -814,8 +787,7 @@ class BackgroundSave:
 
     def start(self, state, checkpoint_id, finish):
         self.wait()
-        # NOTE: async_save copies every shard (CPU ones too) to new host memory before it returns: training on cannot
-        # change what is written.
+        # NOTE: copies every shard to new host memory first: training on cannot change what is written.
         self.future = dcp.async_save(state, checkpoint_id=checkpoint_id, process_group=self.group)
         self.finish = finish
 
@@ -825,7 +797,6 @@ class BackgroundSave:
             self.wait()
 
     def wait(self):
-        # NOTE: DCP writes the metadata after every rank's shards: done means complete, and older ones can go.
         if self.future is not None:
             self.future.result()
             self.future = None
@@ -833,12 +804,10 @@ class BackgroundSave:
 
 
 def write_checkpoint(experiment_dir, small_state, config):
-    # NOTE: a temporary folder, renamed once complete, then older checkpoints deleted: a crash keeps the last one.
     final_dir = experiment_dir / f"checkpoint-{small_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     torch.save(small_state, temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where -m came from, for convert_to_hf.py's tokenizer (a local folder made absolute).
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -854,11 +823,10 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, grou
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
     require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
-    # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    # NOTE: weights_only: a checkpoint cannot run code. The RNG states must be CPU tensors, whoever wrote them.
+    # NOTE: the RNG states must be CPU tensors, whoever wrote them.
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
@@ -869,8 +837,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
+# NOTE: the current device's CUDA state only, its own GPU's: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -882,8 +849,7 @@ def set_rng_state(rng_state):
 
 
 def catch_stop_signals(worker_id=None):
-    # NOTE: only noted: the loop ends the step, saves a checkpoint and exits 0 (related-topics/preemption.md). In a
-    # DataLoader worker too: PyTorch's die of a SIGTERM to the process group, and fail the main process's step.
+    # NOTE: only noted, in DataLoader workers too (related-topics/preemption.md).
     stop_signals = []
     for signal_number in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signal_number, lambda number, frame: stop_signals.append(number))
@@ -894,7 +860,6 @@ def catch_stop_signals(worker_id=None):
 
 
 def get_wandb_mode(requested_mode):
-    # NOTE: never stop and ask for an API key.
     return requested_mode or os.environ.get("WANDB_MODE") or (
         "online" if wandb.login(prompt=False, verify=False) else "offline")
 
@@ -907,14 +872,13 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: 6 per matmul weight (the input embedding is a lookup, unless tied), 12 * L * H * Q * T for attention (PaLM).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-# Dense bf16 peak FLOP/s: NVIDIA's data sheets (half the "with sparsity" figures; A10G: AWS's).
+# Dense bf16 peak FLOP/s, from the data sheets.
 PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
                    "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
@@ -923,7 +887,6 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40".
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]

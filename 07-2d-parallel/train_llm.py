@@ -44,7 +44,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
 
 
-# NOTE: @record puts this rank's exception in torchrun's error summary, instead of a bare exit code.
+# NOTE: @record: torchrun's error summary shows this rank's exception.
 @record
 def main():
     args = parse_args()
@@ -53,12 +53,11 @@ def main():
     LOGGER.info(f"arguments: {vars(args)}")
     LOGGER.info(f"started by {launcher} on {socket.gethostname()}, rendezvous at {os.environ['MASTER_ADDR']}:"
                 f"{os.environ['MASTER_PORT']}")
-    # NOTE: the default timeout depends on the backend (10 minutes for nccl, 30 for gloo): say it.
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     device = get_device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        # NOTE: with --cpu-offload, clip_grad_norm_ all-reduces norms of CPU gradients: a gloo backend for CPU tensors.
+        # NOTE: --cpu-offload's gradient norms are CPU tensors: gloo all-reduces them.
         dist.init_process_group(backend="cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl", device_id=device,
                                 timeout=timeout)
     else:
@@ -69,23 +68,19 @@ def main():
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
-    # 1. The model: built from its config (untrained), every parameter initialized from the seed.
+    # 1. The model: from its config (untrained), initialized from the seed.
     with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
         config = AutoConfig.from_pretrained(args.model_name)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
-            "--dtype float32 on CUDA: this torch has only SDPA's math kernel for the model's heads; use --dtype "
-            "bfloat16 or auto")
+            "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
-    # NOTE: by default one node's GPUs: tensor parallelism needs the fast links (NVLink) found only inside a node.
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
     check_tensor_parallel_degree(tp_degree, config, args.seq_length)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
-    # NOTE: on the meta device, parameters have shapes but no memory; sharded, to_empty() allocates only this rank's
-    # shards, and init_weights() fills them.
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
@@ -98,7 +93,7 @@ def main():
     reset_rotary_embeddings(model, device)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 
-    # 2. The data: tokenized once, cut into fixed-length sequences, cached on disk.
+    # 2. The data: tokenized once, cut into sequences, cached on disk.
     with rank_zero_first():
         dataset = load_and_tokenize_dataset(args, tokenizer)
     # NOTE: the ranks of a tp group (tp varies fastest) read the same batch; data parallelism runs across the groups.
@@ -118,11 +113,8 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume from the experiment's latest checkpoint, if it has one.
-    # NOTE: saves and loads wait on a gloo group of their own: writing terabytes may outlast --dist-timeout.
+    # 4. Resume from the latest checkpoint, if there is one.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
-    # NOTE: an async save's collectives run in a background thread: a group of their own, never interleaved with the
-    # main thread's.
     background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=args.ckpt_timeout))) if args.async_checkpoint else None
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
@@ -142,7 +134,7 @@ def main():
     # 6. The training loop.
     model.train()
     micro_batches = get_micro_batches(dataset, args, train_state, device, dp_rank, dp_size)
-    # NOTE: closed at exit, which stops its DataLoader workers: they ignore the SIGTERM Python's exit sends them.
+    # NOTE: stops its DataLoader workers at exit: they only note Python's SIGTERM.
     atexit.register(micro_batches.close)
     first_step = train_state["step"] + 1
     last_step = min(max_steps, train_state["step"] + (args.exit_after_steps or max_steps))
@@ -158,11 +150,10 @@ def main():
             # NOTE: loss_parallel(), around backward too, computes the loss (a DTensor) from logits split along the
             # vocabulary. No autocast: FSDP casts the gathered weights to bf16.
             with loss_parallel():
-                # NOTE: the model shifts the labels (t predicts t + 1). No KV cache: only generation needs one.
                 loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
             with loss_parallel():
                 loss.backward()
-            # NOTE: .detach(), not .item(): the CPU does not wait for the GPU.
+            # NOTE: .detach(), not .item(): no wait for the GPU.
             step_loss += loss.detach().full_tensor()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -174,7 +165,6 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: every rank stops after the same step: the signals seen, summed on the CPU (gloo), no wait for the GPU.
         stop = torch.tensor(len(stop_signals))
         dist.all_reduce(stop, group=stop_group)
         if stop:
@@ -184,7 +174,6 @@ def main():
             # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG).
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             step_loss /= world_size
-            # NOTE: only logging steps wait for the GPU (.item()): the clock then times its work.
             loss_value = step_loss.item()
             tokens_per_second = tokens_since_log / (time.perf_counter() - time_of_last_log)
             tokens_since_log, time_of_last_log = 0, time.perf_counter()
@@ -252,7 +241,7 @@ def get_parser():
     group.add_argument("--ckpt-freq", type=int, default=100)
     group.add_argument("--ckpt-timeout", type=int, default=3600, help="seconds a checkpoint may take to save or load")
     group.add_argument("--async-checkpoint", action="store_true",
-                       help="copy the shards to host memory and write them in the background while training goes on")
+                       help="write the shards in the background, from a copy in host memory")
     group.add_argument("--wandb-mode", choices=["online", "offline", "disabled"],
                        help="default: online if logged in, else offline")
     group.add_argument("--wandb-project", default="distributed-training-guide")
@@ -282,7 +271,6 @@ def require(condition, message):
 
 @contextlib.contextmanager
 def explain_load_errors(what, fix):
-    # NOTE: one line, not a traceback; an empty file raises StopIteration, a bad one a DatasetsError.
     # NOTE: every rank that fails prints its line.
     try:
         yield
@@ -292,8 +280,6 @@ def explain_load_errors(what, fix):
 
 
 def get_distributed_environment(rdzv_timeout):
-    # NOTE: torchrun sets what init_process_group() reads; srun's and mpirun's variables are translated (their job
-    # scripts export MASTER_ADDR and MASTER_PORT); a plain `python` is a world of one.
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
@@ -321,7 +307,6 @@ def get_distributed_environment(rdzv_timeout):
 
 
 def wait_for_rendezvous(host, port, timeout, rank):
-    # NOTE: a wrong MASTER_ADDR or a closed port would leave every rank waiting until --dist-timeout.
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -345,7 +330,7 @@ def setup_logging(rank):
 
 
 def get_device(local_rank):
-    # NOTE: a process bound to one GPU (the only one it sees) finds it at cuda:0, whatever its local rank.
+    # NOTE: a process that sees one GPU finds it at cuda:0, whatever its local rank.
     # NOTE: srun binds one GPU to each task with --gpus-per-task=1.
     if not torch.cuda.is_available():
         return torch.device("cpu")
@@ -357,7 +342,6 @@ def get_device(local_rank):
 
 @contextlib.contextmanager
 def rank_zero_first():
-    # NOTE: rank 0 downloads and tokenizes while the others wait (gloo, a day's timeout); its error stops them too.
     waiting_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=1))
     rank_zero_error = [None]
     if dist.get_rank() != 0:
@@ -379,8 +363,6 @@ def rank_zero_first():
 
 
 def attention_implementation(config, seq_length):
-    # NOTE: "sdpa" reads position_ids on the host for its mask (a sync); this runs is_causal=True, blind to a sliding
-    # window: the same attention while no sequence outgrows the window.
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
             f"{window}; use at most {window}")
@@ -389,7 +371,6 @@ def attention_implementation(config, seq_length):
 
 
 def fused_attention_runs(config, device, dtype):
-    # NOTE: asks the installed torch: 2.11 ran fp32 grouped-query attention in no fused kernel, only the math one.
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     query, key = (torch.empty(1, heads, 64, head_dim, device=device, dtype=dtype)
                   for heads in (config.num_attention_heads, config.num_key_value_heads))
@@ -398,7 +379,6 @@ def fused_attention_runs(config, device, dtype):
 
 
 def check_tensor_parallel_degree(degree, config, seq_length):
-    # NOTE: each rank computes whole key/value heads and equal slices of the MLP, the vocabulary and the tokens.
     sizes = (config.num_key_value_heads, config.intermediate_size, config.vocab_size, seq_length)
     require(all(size % degree == 0 for size in sizes), f"the tensor-parallel degree {degree} does not divide the "
             f"key/value heads, MLP width, vocabulary and --seq-length {sizes}; use a divisor of each")
@@ -421,14 +401,13 @@ def get_device_mesh(device, world_size, tp_degree, dp_replicate):
 def parallelize_model(model, tp_mesh):
     """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise."""
     parallelize_module(model, tp_mesh, {
-        # NOTE: whole embeddings: Hugging Face computes the positions from their length.
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True),
         "model.norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
-    # NOTE: a tied head (Llama 3.2 1B) got its own DTensor, a second matrix: both Shard(0), it takes the embedding's.
+    # NOTE: tensor parallelism gave a tied head a second matrix: tie it again.
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for layer in model.model.layers:
@@ -449,8 +428,6 @@ def parallelize_model(model, tp_mesh):
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
-    # NOTE: a group is all-gathered (its gradients reduce-scattered) in one collective: a group per layer keeps a
-    # layer or two whole at a time, the next one prefetched while one computes.
     # NOTE: bf16 copies of the weights for compute (half the all-gather), fp32 reduce-scatter, shards and AdamW.
     fsdp_config = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
@@ -464,19 +441,17 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
 
 @torch.no_grad()
 def init_weights(model, seed):
-    # NOTE: from (seed, name, device type) only, not the model's split: later chapters reproduce this run.
     for name, param in model.named_parameters():
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full_value = torch.empty(param.shape, device=param.device)
         full_value.normal_(0, model.config.initializer_range, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
-        # NOTE: param is this rank's shard (a DTensor): its slice of the full value, chapter 01's weights exactly.
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
 
 @torch.no_grad()
 def reset_rotary_embeddings(model, device):
-    # NOTE: to_empty() left the rotary frequencies uninitialized: neither init_weights() nor a checkpoint restores them.
+    # NOTE: to_empty() left the rotary frequencies uninitialized, and no checkpoint holds them.
     for module in model.modules():
         if type(module).__name__.endswith("RotaryEmbedding"):
             for name, buffer in type(module)(module.config).named_buffers():
@@ -500,7 +475,6 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
-        # NOTE: renamed once whole (dropped if another run's came first).
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:
@@ -532,12 +506,11 @@ def get_micro_batches(dataset, args, train_state, device, rank, world_size):
 
 
 def get_dataloader(dataset, args, epoch, samples_seen_in_epoch, device, rank, world_size):
-    # NOTE: chapter 01's order of (seed, epoch) is cut at the global data position before DistributedSampler deals it
-    # out (rank r gets samples r, r + world_size, ...): a checkpoint of 2 ranks resumes exactly on 3.
+    # NOTE: cut at the global position, then dealt out: a checkpoint resumes exactly on any world size.
     sample_order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
     remaining = Subset(dataset, sample_order[samples_seen_in_epoch:])
     sampler = DistributedSampler(remaining, num_replicas=world_size, rank=rank, shuffle=False, drop_last=True)
-    num_samples = len(sampler) // (args.batch_size * args.grad_accum) * args.batch_size * args.grad_accum
+    num_samples = len(sampler) - len(sampler) % (args.batch_size * args.grad_accum)
     return DataLoader(Subset(remaining, list(sampler)[:num_samples]), batch_size=args.batch_size,
                       num_workers=args.num_workers, pin_memory=device.type == "cuda",
                       worker_init_fn=catch_stop_signals)
@@ -563,7 +536,6 @@ def find_latest_checkpoint(experiment_dir):
 
 
 def find_latest_checkpoint_on_rank_zero(experiment_dir):
-    # NOTE: a shared file system's listing can be seconds old on another node: one rank looks, every rank resumes there.
     choice = [find_latest_checkpoint(experiment_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     return choice[0]
@@ -577,7 +549,6 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     if rank == 0:
         shutil.rmtree(temporary_dir, ignore_errors=True)
     dist.barrier(group=group)
-    # NOTE: get_state_dict() names the shards and the optimizer state by parameter names, as chapter 01 does.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     # NOTE: the small state of this step, for rank 0 to write once every rank's shards are.
     small_state = {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state}
@@ -604,8 +575,7 @@ class BackgroundSave:
 
     def start(self, state, checkpoint_id, finish):
         self.wait()
-        # NOTE: async_save copies every shard (CPU ones too) to new host memory before it returns: training on cannot
-        # change what is written.
+        # NOTE: copies every shard to new host memory first: training on cannot change what is written.
         self.future = dcp.async_save(state, checkpoint_id=checkpoint_id, process_group=self.group)
         self.finish = finish
 
@@ -615,7 +585,6 @@ class BackgroundSave:
             self.wait()
 
     def wait(self):
-        # NOTE: DCP writes the metadata after every rank's shards: done means complete, and older ones can go.
         if self.future is not None:
             self.future.result()
             self.future = None
@@ -623,12 +592,10 @@ class BackgroundSave:
 
 
 def write_checkpoint(experiment_dir, small_state, config):
-    # NOTE: a temporary folder, renamed once complete, then older checkpoints deleted: a crash keeps the last one.
     final_dir = experiment_dir / f"checkpoint-{small_state['step']:08d}"
     temporary_dir = experiment_dir / f"tmp-{final_dir.name}"
     torch.save(small_state, temporary_dir / "train_state.pt")
     (temporary_dir / "model_config.json").write_text(config.to_json_string())
-    # NOTE: where -m came from, for convert_to_hf.py's tokenizer (a local folder made absolute).
     model_name = str(Path(config.name_or_path).resolve()) if Path(config.name_or_path).is_dir() else config.name_or_path
     (temporary_dir / "model_source.json").write_text(json.dumps({"model_name": model_name}) + "\n")
     shutil.rmtree(final_dir, ignore_errors=True)
@@ -644,11 +611,10 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, grou
     different = [f"{key} {saved.get(key)} vs {getattr(config, key, None)}" for key in SHAPE_KEYS
                  if saved.get(key) != getattr(config, key, None)]
     require(not different, f"the checkpoint {checkpoint_dir} is of another model ({', '.join(different)}); use new -e")
-    # NOTE: each rank reads the slices of its own shards, whatever the world size that saved them: a resume reshards.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir, process_group=group)
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
-    # NOTE: weights_only: a checkpoint cannot run code. The RNG states must be CPU tensors, whoever wrote them.
+    # NOTE: the RNG states must be CPU tensors, whoever wrote them.
     train_state = torch.load(checkpoint_dir / "train_state.pt", map_location="cpu", weights_only=True)
     lr_scheduler.load_state_dict(train_state.pop("lr_scheduler"))
     set_rng_state(train_state.pop("rng"))
@@ -659,8 +625,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only: it resumes on any machine.
-# NOTE: with a GPU per process, that is its own GPU: a run may resume on fewer GPUs.
+# NOTE: the current device's CUDA state only, its own GPU's: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -672,8 +637,7 @@ def set_rng_state(rng_state):
 
 
 def catch_stop_signals(worker_id=None):
-    # NOTE: only noted: the loop ends the step, saves a checkpoint and exits 0 (related-topics/preemption.md). In a
-    # DataLoader worker too: PyTorch's die of a SIGTERM to the process group, and fail the main process's step.
+    # NOTE: only noted, in DataLoader workers too (related-topics/preemption.md).
     stop_signals = []
     for signal_number in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signal_number, lambda number, frame: stop_signals.append(number))
@@ -684,7 +648,6 @@ def catch_stop_signals(worker_id=None):
 
 
 def get_wandb_mode(requested_mode):
-    # NOTE: never stop and ask for an API key.
     return requested_mode or os.environ.get("WANDB_MODE") or (
         "online" if wandb.login(prompt=False, verify=False) else "offline")
 
@@ -697,14 +660,13 @@ def get_wandb_run_id(experiment_dir):
 
 
 def get_flops_per_token(model, config, seq_length):
-    # NOTE: 6 per matmul weight (the input embedding is a lookup, unless tied), 12 * L * H * Q * T for attention (PaLM).
     num_params = sum(p.numel() for p in model.parameters()) - (
         0 if config.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return 6 * num_params + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-# Dense bf16 peak FLOP/s: NVIDIA's data sheets (half the "with sparsity" figures; A10G: AWS's).
+# Dense bf16 peak FLOP/s, from the data sheets.
 PEAK_BF16_FLOPS = {"H200 NVL": 835e12, "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12,
                    "A100": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "B200": 2250e12}
 
@@ -713,7 +675,6 @@ def get_peak_flops(device, dtype):
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     device_name = torch.cuda.get_device_name(device)
-    # NOTE: the longest name first: "NVIDIA L40S" contains "L4" and "L40".
     for gpu in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
         if gpu in device_name:
             return PEAK_BF16_FLOPS[gpu]

@@ -320,7 +320,7 @@ def test_fp32_on_a_pretended_gpu_gets_a_one_line_error_before_the_model_is_built
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(chapter, "fused_attention_runs", lambda config, device, dtype: False)
     monkeypatch.setattr(sys, "argv", ["train_llm.py", "--dtype", "float32", "--save-dir", str(tmp_path)])
-    with pytest.raises(SystemExit, match="^error: --dtype float32 on CUDA: this torch has only SDPA's math kernel"):
+    with pytest.raises(SystemExit, match="^error: --dtype float32 on CUDA: no fused attention kernel takes the model's"):
         chapter.main()
 
 

@@ -248,8 +248,8 @@ REWORDED = {
             "tensor parallelism slices the parameters instead of sharding them",
     },
     ("04", "08"): {
-        "# 1. The model: built from its config (untrained), cut into stages, every parameter initialized from the "
-        "seed.": "the model is cut into stages",
+        "# 1. The model: from its config (untrained), cut into stages, initialized from the seed.":
+            "the model is cut into stages",
         "# 6. The training loop, one pipeline schedule per micro-step.": "the loop runs the pipeline's schedule",
         "# NOTE: last-stage ranks hold their share's mean, the others 0: the sum / dp is the global batch's loss.":
             "only the last stage computes a loss; it is divided by dp, not the world size, a few lines on",
@@ -263,8 +263,8 @@ REWORDED = {
         "CPU).": "chapter 07 brings back chapter 04's --cpu-offload",
     },
     ("07", "11"): {
-        "# 1. The model: built from its config (untrained), parallelized in four dimensions, initialized from the "
-        "seed.": "parallelize() composes the four dimensions where chapter 07 composed two",
+        "# 1. The model: from its config (untrained), parallelized in four dimensions, initialized from the seed.":
+            "parallelize() composes the four dimensions where chapter 07 composed two",
         "# 6. The training loop, one pipeline schedule per micro-step.": "chapter 08's loop, the pipeline's schedule",
         "# NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.":
             "chapter 08's loss of the last stage, which the tp ranks of a share hold alike",

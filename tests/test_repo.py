@@ -275,6 +275,18 @@ def test_the_top_level_readme_is_short():
                                          "belong in the chapters and tests/README.md"
 
 
+# The first chapter a reader opens and the last, which carries the most: each stays readable in one sitting.
+CHARACTER_BUDGETS = {"01": 21_000, "11": 58_000}
+
+
+@pytest.mark.quick
+def test_chapter_01_and_11_stay_within_their_character_budgets():
+    over = [f"{script(chapter).relative_to(REPO)} has {size:,} characters, over its budget of {budget:,}: move "
+            "explanation from NOTE comments and docstrings to the chapter's README, do not drop a feature"
+            for chapter, budget in CHARACTER_BUDGETS.items() if (size := len(script(chapter).read_text())) > budget]
+    assert not over, "\n".join(over)
+
+
 TRACKER_REFERENCE = re.compile(r"\bissues? #?\d{1,3}\b|\bthe issue's\b|\(#\d{1,3}\)", re.IGNORECASE)
 
 
