@@ -42,6 +42,9 @@ def main():
         opt.zero_grad()
         if rank == 0 and step % 5 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
+    # NOTE: the DDP reducer goes first: at main()'s return it would destroy the group holding the GIL that a gloo
+    # thread freeing the last all-reduce waits for, a hang (torch 2.13; pytorch #56297).
+    del model
     dist.destroy_process_group()
 
 
