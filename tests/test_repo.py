@@ -442,6 +442,29 @@ def test_a_warm_started_process_exits_and_dies_as_a_cold_one(env, tmp_path):
     assert [sum(name in argv for argv in served) for name in ["exits.py", "dies.py", "waits.py"]] == [1, 1, 1]
 
 
+def test_the_warm_starts_rendezvous_event_names_are_torchs():
+    """The server's stand-in for torch's dynamic_rendezvous.get_method_name names the same function at every depth it is asked for (torch asks for 2)."""
+    import importlib.util
+
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic_rendezvous
+
+    spec = importlib.util.spec_from_file_location("warm_server", REPO / "tests" / "warm_start" / "server.py")
+    server = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server)
+    assert dynamic_rendezvous.get_method_name is not server.method_name
+
+    def names(get_method_name):
+        def event():
+            return [get_method_name(depth) for depth in (1, 2, 3, 500)]
+
+        def handler():
+            return event()
+
+        return handler()
+
+    assert names(server.method_name) == names(dynamic_rendezvous.get_method_name)
+
+
 def test_the_warm_start_server_outlives_clients_killed_at_any_point(env, tmp_path):
     if "WARM_START_SOCKET" not in env:
         pytest.skip("WARM_START=0: every process starts cold")

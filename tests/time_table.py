@@ -30,7 +30,7 @@ def table(times):
               f"{'on' if times['warm_start'] else 'off'}; "
               f"that run's budget was {times['budget_s']:,} s (conftest.py's `SUITE_BUDGET_S`); the cores were idle "
               f"{times.get('cpu_idle_share') or 0:.0%} of the time. CPU seconds are a file's tests' own and those of "
-              f"every process they started, warm or cold. The slowest tests:", ""]
+              f"the processes they started warm (not the few started cold). The slowest tests:", ""]
     slowest = list(times["slowest"].items())[:8]
     lines += [f"* {seconds:,.0f} s `{nodeid.replace('tests/', '', 1)}`" for nodeid, seconds in slowest]
     return "\n".join([*lines, "", END])
