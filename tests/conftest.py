@@ -169,7 +169,8 @@ def cpu_seconds(basetemp):
             used[nodeid.split("::")[0]] = used.get(nodeid.split("::")[0], 0.0) + seconds
     for cpu_file in basetemp.rglob("warm.sock.cpu.jsonl"):
         served = cpu_file.with_name("warm.sock.served.jsonl").read_text().splitlines()
-        markers = {record["pid"]: record.get("marker") for record in map(json.loads, served)}
+        # NOTE: a test may suffix its marker for a job of its own ("<marker>-<job>", test_diagnosing_errors.py)
+        markers = {record["pid"]: (record.get("marker") or "").split("-")[0] for record in map(json.loads, served)}
         for record in map(json.loads, cpu_file.read_text().splitlines()):
             owner = owners.get(markers.get(record["pid"]), "other").split("::")[0]
             used[owner] = used.get(owner, 0.0) + record["cpu_s"]
