@@ -32,7 +32,7 @@ SUITE_BUDGET_S = 15 * 60
 # lightning sets PYTORCH_NVML_BASED_CUDA_CHECK), which must not reach the processes the tests start.
 STARTING_ENVIRONMENT = dict(os.environ)
 # NOTE: the models tests build in this process run on one thread, as the processes they start do: two threads on
-# cores another worker's jobs keep busy spin at every barrier (a 6 s experiment took 56 s in the suite).
+# cores another worker's jobs keep busy spin at every barrier (an 8 s experiment took 56 s in the suite).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 TIMES_FILE = Path(__file__).resolve().parent / "times.json"
 TIMELINE_FILE = Path(__file__).resolve().parent / "timeline.json"

@@ -15,12 +15,13 @@ import sys
 
 IMPORT_TIME_PREFIXES = ("PYTHON", "HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TOKENIZERS", "TORCH", "PYTORCH",
                         "OMP_", "MKL_", "KMP_", "GOMP", "OPENBLAS", "LD_", "CUDA", "TQDM", "MPL", "HOME", "XDG_",
-                        "TMPDIR", "LANG", "LC_")
+                        "LANG", "LC_")
 # NOTE: torchrun's per-worker variables are read when the script runs, not when torch is imported; so are wandb's
-# (WANDB_MODE, WANDB_DIR, ...), which wandb.init() reads, the allocator's (at the first CUDA allocation), the
-# rendezvous store's that the launch files set, and TMPDIR (srun sets it), whose cached value the child drops.
+# (WANDB_MODE, WANDB_DIR, ...), which wandb.init() reads, the allocator's (at the first CUDA allocation) and the
+# rendezvous store's that the launch files set. TMPDIR (srun sets it) may differ too: the server's child finds its
+# temporary folder again from its own.
 RUN_TIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF",
-                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TMPDIR")
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
 def import_time_settings(environment, set_by_imports):
