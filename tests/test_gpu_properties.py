@@ -36,6 +36,7 @@ ARGS = ["--max-steps", str(STEPS), "--log-freq", str(STEPS), "--batch-size", "2"
 CASES = {
     "01": ("01", None, []),
     "02 dp2 zero1": ("02", 2, ["--zero1"]),
+    "03 dp2": ("03", 2, []),  # NOTE: chapter 02's step with plain DDP (no --zero1), started by torchrun
     "04 dp2": ("04", 2, []),
     "05 checkpointing": ("05", None, ["--activation-checkpointing"]),
     "06 tp2": ("06", 2, []),
@@ -49,7 +50,7 @@ CASES = {
 }
 # NOTE: the ranks that train on different sequences (tp, cp and pp ranks share theirs): a step trains batch x seq x
 # this many tokens, whatever the world size.
-DATA_PARALLEL = {"02 dp2 zero1": 2, "04 dp2": 2, "10 ep2": 2}
+DATA_PARALLEL = {"02 dp2 zero1": 2, "03 dp2": 2, "04 dp2": 2, "10 ep2": 2}
 # NOTE: the deliberate fp32 inputs of a matmul under --dtype bfloat16, with their reason: SDPA's backward takes the
 # forward's log-sum-exp, which FlashAttention keeps in fp32 (its sixth input, before any mask: chapter 05's packed
 # rows), as every fused attention kernel does.
@@ -114,6 +115,11 @@ def test_a_step_has_no_host_sync_only_bf16_matmuls_and_counts_each_token_once(en
     fraction = record["tokens_per_second"] * sum(step["seconds"] for step in read_measurements(out_dir)[0]["steps"])
     print(f"{name}: tokens/s x the steps' seconds / the {tokens} tokens trained = {fraction / tokens:.2f}")
     assert 0.5 < fraction / tokens <= 1.0, fraction / tokens
+
+
+@pytest.mark.quick
+def test_every_chapter_has_a_case():
+    assert sorted({chapter for chapter, _, _ in CASES.values()}) == sorted(CHAPTERS)
 
 
 def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monkeypatch, fake_flash_attention):
