@@ -87,7 +87,7 @@ def main():
             "needs CUDA and `pip install flash-attn`; use --attn-implementation sdpa")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
-    with torch.device("meta"):
+    with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length, args.attn_implementation),
             dtype=torch.float32)
@@ -97,7 +97,7 @@ def main():
     if args.compile:
         compile_layers(model)
     shard_model(model, mesh, dtype, args.cpu_offload)
-    model.to_empty(device="cpu" if args.cpu_offload else device)
+    to_empty_keeping_buffers(model, device, args.cpu_offload)
     # NOTE: a run that resumes takes its weights from its checkpoint (step 4), without reading the pretrained ones.
     checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is None and find_weight_files(model_dir):
@@ -105,7 +105,6 @@ def main():
     elif checkpoint_dir is None:
         LOGGER.info(f"no *.safetensors weights in {model_dir}: every parameter from the seed")
         init_weights(model, args.seed)
-    reset_rotary_embeddings(model, device)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 
     # 2. The data: examples labelled on their answers only, packed into rows of --seq-length, cached on disk.
@@ -246,8 +245,6 @@ def get_parser():
     group.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                        help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
     group.add_argument("--attn-implementation", choices=["sdpa", "eager", "flash_attention_2"], default="sdpa")
-    group.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
-    group.add_argument("--compile", action="store_true", help="compile each decoder layer with torch.compile")
     group.add_argument("--num-workers", type=int, default=1)
     group = parser.add_argument_group("training")
     group.add_argument("--seed", type=int, default=0, help="of the weights and the sample order")
@@ -260,6 +257,8 @@ def get_parser():
     group.add_argument("--max-steps", type=int, default=200, help="optimizer steps, resumes included")
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
     group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps")
+    group.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    group.add_argument("--compile", action="store_true", help="compile each decoder layer with torch.compile")
     group = parser.add_argument_group("checkpoints and logging")
     group.add_argument("-e", "--experiment-name", default=Path(__file__).parent.name,
                        help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
@@ -401,6 +400,24 @@ def download_model(model_name):
                                              ignore_patterns=SKIPPED_MODEL_FILES)
 
 
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Parameters built on the meta device (no memory, no values), buffers for real: the rotary frequencies, a
+    router's bias and any other buffer get the values the model's own code computes (accelerate's init_empty_weights)."""
+    register_parameter = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), param.requires_grad)
+        register_parameter(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register_parameter
+
+
 def attention_implementation(config, seq_length, attn_implementation):
     if attn_implementation != "sdpa":
         return attn_implementation
@@ -458,14 +475,15 @@ def count_label_tokens(inputs):
 def apply_activation_checkpointing(model):
     # NOTE: a layer keeps only its input for backward (Llama 3.1 405B at 4096 tokens: 23 GB, not 394 GB) and
     # recomputes the rest: a third more compute. get_state_dict() drops the wrapper's part of the names.
-    model.model.layers = torch.nn.ModuleList(checkpoint_wrapper(layer) for layer in model.model.layers)
+    for name, layer in model.model.layers.named_children():
+        model.model.layers.register_module(name, checkpoint_wrapper(layer))
 
 
 def compile_layers(model):
     # NOTE: per layer: all layers share one graph, compiled once, and FSDP's hooks between them stay plain Python.
     # layer.compile() compiles in place, where torch.compile(layer) would add _orig_mod. to every parameter name.
-    for layer in model.model.layers:
-        layer.compile()
+    for layer in model.model.layers.children():
+        layer.compile(fullgraph=True)
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
@@ -495,6 +513,16 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def to_empty_keeping_buffers(model, device, cpu_offload):
+    # NOTE: to_empty() leaves every tensor uninitialized, buffers too: they get back the values they were built with.
+    buffers = [(module, name, buffer) for module in model.modules()
+               for name, buffer in module.named_buffers(recurse=False)]
+    model.to_empty(device="cpu" if cpu_offload else device)
+    for module, name, buffer in buffers:
+        setattr(module, name, buffer.to(device))
 
 
 def find_weight_files(model_dir):
@@ -539,15 +567,6 @@ def init_weights(model, seed):
         full_value.normal_(0, model.config.initializer_range, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
-
-
-@torch.no_grad()
-def reset_rotary_embeddings(model, device):
-    # NOTE: to_empty() left the rotary frequencies uninitialized, and no checkpoint holds them.
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            for name, buffer in type(module)(module.config).named_buffers():
-                module.register_buffer(name, buffer.to(device), persistent=False)
 
 
 # 2. The data

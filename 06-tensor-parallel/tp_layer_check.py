@@ -3,8 +3,8 @@
     torchrun --standalone --nproc-per-node 2 06-tensor-parallel/tp_layer_check.py
 
 Every rank builds the tiny Llama twice: split with the chapter's own parallelize_model(), and whole, with the same
-weights. Both run one forward and backward, first of decoder layer 0 alone, then of the whole model (with
-loss_parallel), on the same input. Forward hooks compare each module's output with the whole model's as soon as it
+weights. Both run one forward and backward, first of decoder layer 0 alone, then of the whole model (with the
+vocabulary-parallel loss), on the same input. Forward hooks compare each module's output with the whole model's as soon as it
 is computed (a local slice is gathered first), then every parameter's gradient (param.grad.full_tensor()) and the
 input's are compared. The worst difference of each is printed; the first module that differs is named in the last
 line, "error: ...", and the exit status is 1.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from transformers import AutoConfig, AutoModelForCausalLM
 
 # NOTE: the tiny bundled Llama, wherever the check is run from.
@@ -55,12 +55,11 @@ def build_models(chapter, mesh):
     """The split model, built as the chapter's main() builds it, and a whole copy with the same weights."""
     config = AutoConfig.from_pretrained(TINY_MODEL)
     config.num_hidden_layers = NUM_LAYERS
-    with torch.device("meta"):
+    with chapter.parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     chapter.parallelize_model(model, mesh)
-    model.to_empty(device="cpu")
+    chapter.to_empty_keeping_buffers(model, torch.device("cpu"), cpu_offload=False)
     chapter.init_weights(model, SEED)
-    chapter.reset_rotary_embeddings(model, torch.device("cpu"))
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     reference.load_state_dict({name: full(param).detach() for name, param in model.named_parameters()}, strict=False)
     return model.train(), reference.train()
@@ -250,10 +249,9 @@ def main():
     def model_forward_backward():
         losses["reference"] = reference(input_ids=input_ids, labels=input_ids).loss
         losses["reference"].backward()
-        with loss_parallel():
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-            loss.backward()
-        losses["split"] = full(loss).detach()
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        losses["split"] = loss.detach()
 
     failure = check("whole model", model, reference, mesh, "", model_forward_backward)
     if failure is None:

@@ -10,6 +10,8 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import functools
+import fnmatch
 import json
 import logging
 import math
@@ -19,23 +21,27 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 import zlib
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import wandb
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module)
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -68,10 +74,11 @@ def main():
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
-    # 1. The model: from its config (untrained), initialized from the seed.
+    # 1. The model: built empty, sharded, then filled with its pretrained weights (or from the seed if it has none).
     with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
-        config = AutoConfig.from_pretrained(args.model_name)
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name)
+        model_dir = download_model(args.model_name)
+        config = AutoConfig.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
@@ -81,16 +88,27 @@ def main():
     mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
     check_tensor_parallel_degree(tp_degree, config, args.seq_length)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
-    with torch.device("meta"):
+    with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
     # NOTE: FSDP then shards the tensor-parallel slices over the dp dimensions only, never inside a tp group: DTensors
-    # placed on both. A 2D dp mesh (HSDP) shards within each replica and all-reduces across them.
-    parallelize_model(model, mesh["tp"])
+    # placed on both. A 2D dp mesh (HSDP) shards within each replica and all-reduces across them. --tp 1: plain FSDP.
+    if tp_degree > 1:
+        parallelize_model(model, mesh["tp"])
+    # NOTE: compile wraps the checkpoint, fully_shard both: no collective is compiled or recomputed.
+    if args.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if args.compile:
+        compile_layers(model)
     shard_model(model, mesh[mesh.mesh_dim_names[:-1]], dtype, args.cpu_offload)
-    model.to_empty(device="cpu" if args.cpu_offload else device)
-    init_weights(model, args.seed)
-    reset_rotary_embeddings(model, device)
+    to_empty_keeping_buffers(model, device, args.cpu_offload)
+    # NOTE: a run that resumes takes its weights from its checkpoint (step 4), without reading the pretrained ones.
+    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
+    if checkpoint_dir is None and find_weight_files(model_dir):
+        load_pretrained_weights(model, model_dir)
+    elif checkpoint_dir is None:
+        LOGGER.info(f"no *.safetensors weights in {model_dir}: every parameter from the seed")
+        init_weights(model, args.seed)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 
     # 2. The data: tokenized once, cut into sequences, cached on disk.
@@ -118,7 +136,6 @@ def main():
     background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=args.ckpt_timeout))) if args.async_checkpoint else None
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
-    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is not None:
         train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, checkpoint_group)
         LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
@@ -147,14 +164,11 @@ def main():
         step_loss = torch.zeros((), device=device)
         for _ in range(args.grad_accum):
             input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
-            # NOTE: loss_parallel(), around backward too, computes the loss (a DTensor) from logits split along the
-            # vocabulary. No autocast: FSDP casts the gathered weights to bf16.
-            with loss_parallel():
-                loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
-            with loss_parallel():
-                loss.backward()
+            # NOTE: no autocast: FSDP casts the gathered weights to bf16. The loss reads logits split by vocabulary.
+            loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
+            loss.backward()
             # NOTE: .detach(), not .item(): no wait for the GPU.
-            step_loss += loss.detach().full_tensor()
+            step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         if step == first_step:
@@ -213,7 +227,7 @@ def get_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     group = parser.add_argument_group("model and data")
     group.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
-                       help="hub name, or folder with config.json and the tokenizer")
+                       help="hub name, or folder with config.json, the tokenizer and any *.safetensors")
     group.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
                        help="hub name, or a folder or file (.jsonl .json .csv .txt .parquet)")
     group.add_argument("--dataset-subset", help="the configuration, if it has several")
@@ -233,6 +247,8 @@ def get_parser():
     group.add_argument("--max-steps", type=int, default=200, help="optimizer steps, resumes included")
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
     group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps")
+    group.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    group.add_argument("--compile", action="store_true", help="compile each decoder layer with torch.compile")
     group = parser.add_argument_group("checkpoints and logging")
     group.add_argument("-e", "--experiment-name", default=Path(__file__).parent.name,
                        help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
@@ -362,6 +378,37 @@ def rank_zero_first():
 # 1. The model
 
 
+# Skipped: the weights again in another format (Llama 3.1 405B: original/*.pth, 800 GB; Mistral: consolidated*).
+MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
+SKIPPED_MODEL_FILES = ["original/*", "consolidated*.safetensors"]
+
+
+def download_model(model_name):
+    # NOTE: a 405B model is 800 GB: download.sh fetches it before the job, or the other ranks would wait for hours.
+    if Path(model_name).is_dir():
+        return model_name
+    return huggingface_hub.snapshot_download(model_name, allow_patterns=MODEL_FILES,
+                                             ignore_patterns=SKIPPED_MODEL_FILES)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Parameters built on the meta device (no memory, no values), buffers for real: the rotary frequencies, a
+    router's bias and any other buffer get the values the model's own code computes (accelerate's init_empty_weights)."""
+    register_parameter = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), param.requires_grad)
+        register_parameter(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register_parameter
+
+
 def attention_implementation(config, seq_length):
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
@@ -376,6 +423,63 @@ def fused_attention_runs(config, device, dtype):
                   for heads in (config.num_attention_heads, config.num_key_value_heads))
     params = torch.backends.cuda.SDPAParams(query, key, key, None, 0.0, True, True)
     return torch.backends.cuda.can_use_efficient_attention(params) or torch.backends.cuda.can_use_flash_attention(params)
+
+
+def apply_activation_checkpointing(model):
+    # NOTE: a layer keeps only its input for backward (Llama 3.1 405B at 4096 tokens: 23 GB, not 394 GB) and
+    # recomputes the rest: a third more compute. get_state_dict() drops the wrapper's part of the names.
+    for name, layer in model.model.layers.named_children():
+        model.model.layers.register_module(name, checkpoint_wrapper(layer))
+
+
+def compile_layers(model):
+    # NOTE: per layer: all layers share one graph, compiled once, and FSDP's hooks between them stay plain Python.
+    # layer.compile() compiles in place, where torch.compile(layer) would add _orig_mod. to every parameter name.
+    for layer in model.model.layers.children():
+        layer.compile(fullgraph=True)
+
+
+@torch.no_grad()
+def to_empty_keeping_buffers(model, device, cpu_offload):
+    # NOTE: to_empty() leaves every tensor uninitialized, buffers too: they get back the values they were built with.
+    buffers = [(module, name, buffer) for module in model.modules()
+               for name, buffer in module.named_buffers(recurse=False)]
+    model.to_empty(device="cpu" if cpu_offload else device)
+    for module, name, buffer in buffers:
+        setattr(module, name, buffer.to(device))
+
+
+def find_weight_files(model_dir):
+    # NOTE: a folder without weights (the bundled tiny model) trains from the seed; one of pickles would too, silently.
+    found = sorted(path for path in Path(model_dir).glob("*.safetensors")
+                   if not any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_MODEL_FILES))
+    pickled = sorted(path.name for pattern in ["pytorch_model*.bin", "*.pth"] for path in Path(model_dir).glob(pattern))
+    require(found or not pickled, f"{model_dir} holds only pickled weights ({', '.join(pickled)}); write them as "
+            "safetensors with transformers' save_pretrained() and pass -m that folder")
+    return found
+
+
+@torch.no_grad()
+def load_pretrained_weights(model, model_dir):
+    # NOTE: DCP reads a Hugging Face folder as its own checkpoint: each rank reads only its shards' slices, into the
+    # shards, straight from the memory-mapped files. No rank holds the whole model, nothing is broadcast.
+    started = time.perf_counter()
+    model_state = get_model_state_dict(model)
+    if model.config.tie_word_embeddings:
+        # NOTE: a tied head is the embedding matrix, saved once as model.embed_tokens.weight.
+        del model_state["lm_head.weight"]
+    # NOTE: the reader reads every *.safetensors of its folder: it gets one of links to the weight files only.
+    with tempfile.TemporaryDirectory() as weights_dir:
+        for path in find_weight_files(model_dir):
+            os.symlink(path.resolve(), Path(weights_dir) / path.name)
+        try:
+            dcp.load(model_state, storage_reader=HuggingFaceStorageReader(weights_dir))
+        except dcp.CheckpointException as error:
+            # NOTE: DCP gathers every rank's exception; the first one says what is wrong.
+            cause = str(next(iter(error.failures.values()))[0]).strip().splitlines()[0]
+            require(False, f"cannot load the weights of {model_dir} ({cause}); its *.safetensors must hold every "
+                    "weight its config.json describes")
+    LOGGER.info(f"loaded the pretrained weights of {model_dir} in {time.perf_counter() - started:.1f}s")
 
 
 def check_tensor_parallel_degree(degree, config, seq_length):
@@ -399,32 +503,93 @@ def get_device_mesh(device, world_size, tp_degree, dp_replicate):
 
 
 def parallelize_model(model, tp_mesh):
-    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise."""
+    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise;
+    the logits stay split along the vocabulary, and so does the loss."""
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                              use_local_output=True),
-        "model.norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        "model.norm": SequenceParallel(use_local_output=True),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1)),
     })
     # NOTE: tensor parallelism gave a tied head a second matrix: tie it again.
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     for layer in model.model.layers:
-        parallelize_module(layer, tp_mesh, {
-            "input_layernorm": SequenceParallel(),
-            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(layer, tp_mesh, layer_plan(layer, model.config))
+    model.loss_function = functools.partial(vocab_parallel_loss, tp_group=tp_mesh.get_group())
+
+
+def layer_plan(layer, config):
+    """The plan of the modules this decoder layer has; a weight outside it stops the run before the first step."""
+    token_slices = SequenceParallel(use_local_output=True)
+    # NOTE: q/k norms normalize each head (Qwen3, Gemma 3), dim 2 of (batch, tokens, heads, head_dim): a rank its own.
+    head_slices = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan = {
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.q_norm": head_slices,
+        "self_attn.k_norm": head_slices,
+        "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        **{name: token_slices for name, _ in layer.named_children() if name.endswith("layernorm")},
+    }
+    held = dict(layer.named_modules())
+    unplanned = next((name for name, _ in layer.named_parameters() if name.rpartition(".")[0] not in plan), None)
+    require(unplanned is None, f"tensor parallelism has no plan for {unplanned} of {type(layer).__name__}; train this "
+            "model without it (chapters 04, 08, 09, 10)")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for name in ("self_attn.q_norm", "self_attn.k_norm"):
+        require(name not in held or held[name].weight.shape == (head_dim,), f"{name} of {type(layer).__name__} "
+                "normalizes all heads together, which tensor parallelism splits; train this model without it")
+    return {key: style for key, style in plan.items() if key in held}
+
+
+def vocab_parallel_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                        tp_group=None, **kwargs):
+    """transformers' causal-LM loss of logits split along the vocabulary over tp_group: the same mean per label."""
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    token_losses = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), shift_labels.flatten(), ignore_index,
+                                                   tp_group)
+    return token_losses.sum() / (num_items_in_batch if num_items_in_batch is not None else
+                                 (shift_labels != ignore_index).sum())
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Each token's cross-entropy from this rank's slice of its logits: three all-reduces of one number per token
+    (the largest logit, the sum of exponentials, the label's logit), and a backward with none."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index, group):
+        logits = logits.float()
+        local_labels = labels - dist.get_rank(group) * logits.shape[-1]
+        owned = (local_labels >= 0) & (local_labels < logits.shape[-1])
+        local_labels = local_labels.clamp(0, logits.shape[-1] - 1)
+        largest = logits.amax(dim=-1)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        exponentials = (logits - largest.unsqueeze(-1)).exp()
+        sums = torch.stack([exponentials.sum(-1),
+                            logits.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).sub(largest).mul(owned)])
+        dist.all_reduce(sums, group=group)
+        labelled = labels != ignore_index
+        ctx.save_for_backward(exponentials.div_(sums[0].unsqueeze(-1)), local_labels, owned & labelled, labelled)
+        ctx.logits_dtype = logits.dtype
+        return (sums[0].log() - sums[1]) * labelled
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        probabilities, local_labels, owned, labelled = ctx.saved_tensors
+        # NOTE: d loss / d logits = softmax - one-hot of the label (on the rank that owns it), for labelled tokens.
+        grad_logits = probabilities.mul_((grad_losses * labelled).unsqueeze(-1))
+        grad_logits.scatter_add_(-1, local_labels.unsqueeze(-1), (-grad_losses * owned).unsqueeze(-1))
+        return grad_logits, None, None, None
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
@@ -442,20 +607,12 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
 @torch.no_grad()
 def init_weights(model, seed):
     for name, param in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full_value = torch.empty(param.shape, device=param.device)
         full_value.normal_(0, model.config.initializer_range, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
-
-
-@torch.no_grad()
-def reset_rotary_embeddings(model, device):
-    # NOTE: to_empty() left the rotary frequencies uninitialized, and no checkpoint holds them.
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            for name, buffer in type(module)(module.config).named_buffers():
-                module.register_buffer(name, buffer.to(device), persistent=False)
 
 
 # 2. The data

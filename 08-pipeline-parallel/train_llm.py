@@ -12,6 +12,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import fnmatch
 import json
 import logging
 import math
@@ -21,17 +22,21 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 import zlib
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import wandb
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -71,10 +76,11 @@ def main():
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
-    # 1. The model: from its config (untrained), cut into stages, initialized from the seed.
+    # 1. The model: built empty, cut into stages, sharded, filled with its pretrained weights (or from the seed).
     with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
-        config = AutoConfig.from_pretrained(args.model_name)
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name)
+        model_dir = download_model(args.model_name)
+        config = AutoConfig.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
@@ -85,20 +91,30 @@ def main():
     mesh = init_device_mesh(device.type, (args.pp, world_size // args.pp), mesh_dim_names=("pp", "dp"))
     pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))}")
-    with torch.device("meta"):
+    with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
     # NOTE: counted on the whole model, before it is cut: every token goes through every stage once.
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
+    # NOTE: compile wraps the checkpoint, fully_shard both: no collective is compiled or recomputed.
+    if args.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if args.compile:
+        compile_layers(model)
     # NOTE: every stage computes the rotary embeddings itself, at the sequence's positions.
     position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0)
     stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank, position_ids)
     for stage_module in stage_modules:
         shard_model(stage_module, dp_mesh, dtype, args.cpu_offload, reshard_after_forward=args.pp == 1)
-        stage_module.to_empty(device="cpu" if args.cpu_offload else device)
-    init_weights(model, args.seed)
-    reset_rotary_embeddings(model, device)
+        to_empty_keeping_buffers(stage_module, device, args.cpu_offload)
+    # NOTE: a run that resumes takes its weights from its checkpoint (step 4), without reading the pretrained ones.
+    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
+    if checkpoint_dir is None and find_weight_files(model_dir):
+        load_pretrained_weights(model, model_dir)
+    elif checkpoint_dir is None:
+        LOGGER.info(f"no *.safetensors weights in {model_dir}: every parameter from the seed")
+        init_weights(model, args.seed)
     stages_held = ", ".join(f"stage {stage.stage_index} (layers {', '.join(stage.layers)})" for stage in stage_modules)
     LOGGER.info(f"model: {num_params / 1e6:.1f}M parameters; this rank runs {stages_held} of "
                 f"{args.pp * stages_per_rank}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
@@ -128,7 +144,6 @@ def main():
     background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=args.ckpt_timeout))) if args.async_checkpoint else None
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
-    checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is not None:
         train_state = load_checkpoint(checkpoint_dir, model, optimizer, lr_scheduler, config, checkpoint_group)
         LOGGER.info(f"resumed from {checkpoint_dir} at step {train_state['step']}")
@@ -140,11 +155,11 @@ def main():
         metrics_file = open(experiment_dir / "metrics.jsonl", "a")
     peak_flops = get_peak_flops(device, dtype)
 
-    # 6. The training loop, one pipeline schedule per micro-step.
+    # 6. The training loop, one pipeline schedule per optimizer step.
     model.train()
     # NOTE: each micro-batch's loss is its mean divided by the step's micro-batches: their sum is chapter 01's loss.
     # scale_grads=False in the schedule then, or it would divide the gradients by their number a second time.
-    loss_fn = get_loss_function(model, config, num_microbatches * args.grad_accum)
+    loss_fn = get_loss_function(model, config, num_microbatches)
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
         stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device,
         args.pp_grad_reduce == "microbatch")
@@ -160,16 +175,17 @@ def main():
     stop_signals, stop_group = catch_stop_signals(), dist.new_group(backend="gloo", timeout=timeout)
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
-        for _ in range(args.grad_accum):
-            input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
-            # NOTE: the first stage takes the tokens, the last the labels (the loss shifts them: token t predicts
-            # t + 1); the schedule cuts them into micro-batches.
-            losses = [] if has_last_stage else None
-            schedule.step(*([input_ids] if has_first_stage else []),
-                          target=input_ids if has_last_stage else None, losses=losses, return_outputs=False)
-            # NOTE: .detach(), not .item(): no wait for the GPU.
-            if has_last_stage:
-                step_loss += torch.stack(losses).sum().detach()
+        # NOTE: the step's --grad-accum batches in one schedule: the pipeline fills and drains once per step.
+        input_ids = torch.cat([next(micro_batches)["input_ids"] for _ in range(args.grad_accum)])
+        input_ids = input_ids.to(device, non_blocking=True)
+        # NOTE: the first stage takes the tokens, the last the labels (the loss shifts them: token t predicts t + 1);
+        # the schedule cuts them into micro-batches.
+        losses = [] if has_last_stage else None
+        schedule.step(*([input_ids] if has_first_stage else []),
+                      target=input_ids if has_last_stage else None, losses=losses, return_outputs=False)
+        # NOTE: .detach(), not .item(): no wait for the GPU.
+        if has_last_stage:
+            step_loss += torch.stack(losses).sum().detach()
         grad_norm = clip_grad_norm_across_stages(model.parameters(), args.max_grad_norm, pp_mesh.get_group())
         optimizer.step()
         if step == first_step:
@@ -228,7 +244,7 @@ def get_parser():
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     group = parser.add_argument_group("model and data")
     group.add_argument("-m", "--model-name", default=str(REPO_ROOT / "data" / "tiny-llama"),
-                       help="hub name, or folder with config.json and the tokenizer")
+                       help="hub name, or folder with config.json, the tokenizer and any *.safetensors")
     group.add_argument("-d", "--dataset-name", default=str(REPO_ROOT / "data" / "tiny-shakespeare"),
                        help="hub name, or a folder or file (.jsonl .json .csv .txt .parquet)")
     group.add_argument("--dataset-subset", help="the configuration, if it has several")
@@ -249,6 +265,8 @@ def get_parser():
     group.add_argument("--max-steps", type=int, default=200, help="optimizer steps, resumes included")
     group.add_argument("--num-epochs", type=int, help="passes over the data, instead of --max-steps")
     group.add_argument("--exit-after-steps", type=int, help="checkpoint and exit after this many steps")
+    group.add_argument("--activation-checkpointing", action="store_true", help="recompute each layer in backward")
+    group.add_argument("--compile", action="store_true", help="compile each decoder layer with torch.compile")
     group = parser.add_argument_group("checkpoints and logging")
     group.add_argument("-e", "--experiment-name", default=Path(__file__).parent.name,
                        help="outputs go to SAVE_DIR/EXPERIMENT_NAME")
@@ -265,7 +283,8 @@ def get_parser():
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--pp", type=int, default=1, help="pipeline stages; world size / pp pipelines run FSDP")
     group.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b")
-    group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
+    group.add_argument("--pp-microbatches", type=int,
+                       help="micro-batches per --batch-size (default: one per sequence; at --pp 1, one)")
     group.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved)")
     group.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
                        help="reduce-scatter gradients in every micro-batch's backward, or once a step (less "
@@ -383,6 +402,37 @@ def rank_zero_first():
 # 1. The model
 
 
+# Skipped: the weights again in another format (Llama 3.1 405B: original/*.pth, 800 GB; Mistral: consolidated*).
+MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
+SKIPPED_MODEL_FILES = ["original/*", "consolidated*.safetensors"]
+
+
+def download_model(model_name):
+    # NOTE: a 405B model is 800 GB: download.sh fetches it before the job, or the other ranks would wait for hours.
+    if Path(model_name).is_dir():
+        return model_name
+    return huggingface_hub.snapshot_download(model_name, allow_patterns=MODEL_FILES,
+                                             ignore_patterns=SKIPPED_MODEL_FILES)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Parameters built on the meta device (no memory, no values), buffers for real: the rotary frequencies, a
+    router's bias and any other buffer get the values the model's own code computes (accelerate's init_empty_weights)."""
+    register_parameter = torch.nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), param.requires_grad)
+        register_parameter(module, name, param)
+
+    torch.nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register_parameter
+
+
 def attention_implementation(config, seq_length):
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
     require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
@@ -397,6 +447,20 @@ def fused_attention_runs(config, device, dtype):
                   for heads in (config.num_attention_heads, config.num_key_value_heads))
     params = torch.backends.cuda.SDPAParams(query, key, key, None, 0.0, True, True)
     return torch.backends.cuda.can_use_efficient_attention(params) or torch.backends.cuda.can_use_flash_attention(params)
+
+
+def apply_activation_checkpointing(model):
+    # NOTE: a layer keeps only its input for backward (Llama 3.1 405B at 4096 tokens: 23 GB, not 394 GB) and
+    # recomputes the rest: a third more compute. get_state_dict() drops the wrapper's part of the names.
+    for name, layer in model.model.layers.named_children():
+        model.model.layers.register_module(name, checkpoint_wrapper(layer))
+
+
+def compile_layers(model):
+    # NOTE: per layer: all layers share one graph, compiled once, and FSDP's hooks between them stay plain Python.
+    # layer.compile() compiles in place, where torch.compile(layer) would add _orig_mod. to every parameter name.
+    for layer in model.model.layers.children():
+        layer.compile(fullgraph=True)
 
 
 # --pp-schedule's names for get_schedule_class().
@@ -417,16 +481,20 @@ def check_pipeline_layout(args, world_size, config):
             f"for {num_layers} decoder layers; use at most {num_layers}, or a smaller --pp")
     require(num_stages <= 1 or not config.tie_word_embeddings, "tie_word_embeddings: the first and last stages "
             "cannot share one weight; use one stage or an untied model")
-    num_microbatches = args.pp_microbatches or args.batch_size
-    require(num_microbatches >= 1 and args.batch_size % num_microbatches == 0, f"--pp-microbatches "
-            f"{num_microbatches} does not divide --batch-size {args.batch_size}; use a divisor of {args.batch_size}")
+    per_batch = args.pp_microbatches or (args.batch_size if args.pp > 1 else 1)
+    require(per_batch >= 1 and args.batch_size % per_batch == 0, f"--pp-microbatches {per_batch} does not divide "
+            f"--batch-size {args.batch_size}; use a divisor of {args.batch_size}")
+    # NOTE: one schedule per optimizer step: it runs the micro-batches of all the step's --grad-accum batches.
+    num_microbatches = per_batch * args.grad_accum
     # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward.
-    require(args.pp_schedule != "1f1b" or num_microbatches >= num_stages, "--pp-schedule 1f1b needs at least one "
-            f"micro-batch per stage: use --pp-microbatches >= {num_stages}, or gpipe")
+    require(args.pp_schedule != "1f1b" or num_microbatches >= num_stages, f"--pp-schedule 1f1b needs at least one "
+            f"micro-batch per stage in a step, not {num_microbatches} (--pp-microbatches x --grad-accum); use "
+            f"{num_stages} or more, or gpipe")
     # NOTE: the interleaved schedule runs the micro-batches in equal rounds of up to --pp of them.
     rounds = max(1, num_microbatches // args.pp)
-    require(one_stage_per_rank or num_microbatches % rounds == 0, f"--pp-microbatches {num_microbatches} cannot "
-            f"make {rounds} equal rounds of {args.pp_schedule}; use a multiple of --pp {args.pp}")
+    require(one_stage_per_rank or num_microbatches % rounds == 0, f"{num_microbatches} micro-batches a step "
+            f"(--pp-microbatches x --grad-accum) cannot make {rounds} equal rounds of {args.pp_schedule}; use a "
+            f"multiple of --pp {args.pp}")
     return stages_per_rank, num_microbatches
 
 
@@ -485,22 +553,57 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
 
 
 @torch.no_grad()
+def to_empty_keeping_buffers(model, device, cpu_offload):
+    # NOTE: to_empty() leaves every tensor uninitialized, buffers too: they get back the values they were built with.
+    buffers = [(module, name, buffer) for module in model.modules()
+               for name, buffer in module.named_buffers(recurse=False)]
+    model.to_empty(device="cpu" if cpu_offload else device)
+    for module, name, buffer in buffers:
+        setattr(module, name, buffer.to(device))
+
+
+def find_weight_files(model_dir):
+    # NOTE: a folder without weights (the bundled tiny model) trains from the seed; one of pickles would too, silently.
+    found = sorted(path for path in Path(model_dir).glob("*.safetensors")
+                   if not any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_MODEL_FILES))
+    pickled = sorted(path.name for pattern in ["pytorch_model*.bin", "*.pth"] for path in Path(model_dir).glob(pattern))
+    require(found or not pickled, f"{model_dir} holds only pickled weights ({', '.join(pickled)}); write them as "
+            "safetensors with transformers' save_pretrained() and pass -m that folder")
+    return found
+
+
+@torch.no_grad()
+def load_pretrained_weights(model, model_dir):
+    # NOTE: DCP reads a Hugging Face folder as its own checkpoint: each rank reads only its shards' slices, into the
+    # shards, straight from the memory-mapped files. No rank holds the whole model, nothing is broadcast.
+    started = time.perf_counter()
+    model_state = get_model_state_dict(model)
+    if model.config.tie_word_embeddings:
+        # NOTE: a tied head is the embedding matrix, saved once as model.embed_tokens.weight.
+        del model_state["lm_head.weight"]
+    # NOTE: the reader reads every *.safetensors of its folder: it gets one of links to the weight files only.
+    with tempfile.TemporaryDirectory() as weights_dir:
+        for path in find_weight_files(model_dir):
+            os.symlink(path.resolve(), Path(weights_dir) / path.name)
+        try:
+            dcp.load(model_state, storage_reader=HuggingFaceStorageReader(weights_dir))
+        except dcp.CheckpointException as error:
+            # NOTE: DCP gathers every rank's exception; the first one says what is wrong.
+            cause = str(next(iter(error.failures.values()))[0]).strip().splitlines()[0]
+            require(False, f"cannot load the weights of {model_dir} ({cause}); its *.safetensors must hold every "
+                    "weight its config.json describes")
+    LOGGER.info(f"loaded the pretrained weights of {model_dir} in {time.perf_counter() - started:.1f}s")
+
+
+@torch.no_grad()
 def init_weights(model, seed):
     for name, param in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         full_value = torch.empty(param.shape, device=param.device)
         full_value.normal_(0, model.config.initializer_range, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
-
-
-@torch.no_grad()
-def reset_rotary_embeddings(model, device):
-    # NOTE: to_empty() left the rotary frequencies uninitialized, and no checkpoint holds them.
-    for module in model.modules():
-        if type(module).__name__.endswith("RotaryEmbedding"):
-            for name, buffer in type(module)(module.config).named_buffers():
-                module.register_buffer(name, buffer.to(device), persistent=False)
 
 
 # 2. The data

@@ -41,8 +41,8 @@ MUTATIONS = {
         "[04 dp2]"),
     "05-discarded-compile": (
         "05-training-llama-405b/train_llm.py",
-        "        layer.compile()\n",
-        "        torch.compile(layer)\n",
+        "        layer.compile(fullgraph=True)\n",
+        "        torch.compile(layer, fullgraph=True)\n",
         "tests/test_05_training_llama_405b.py::test_compile_trains_like_eager"),
     "04-module-level-tf32": (
         "04-fully-sharded-data-parallel/train_llm.py",

@@ -4,7 +4,7 @@ ends, one line `counts: {...}` with what the run did that its log does not show:
 - "mlp_forwards": how many times the decoder layers' MLPs ran forward to train (with gradients on: chapter 05's
   evaluations are left out); activation checkpointing runs each twice a micro-step (once more in backward), so twice
   as often as without it (counted in runs without --compile only);
-- "unique_graphs" and "frames_ok": the graphs dynamo compiled and the frames it converted (torch.compile).
+- "unique_graphs" and "graph_breaks": the graphs dynamo compiled, and the breaks in them (torch.compile).
 """
 
 import json
@@ -40,7 +40,8 @@ try:
 finally:
     from torch._dynamo.utils import counters
 
-    counts.update(unique_graphs=counters["stats"]["unique_graphs"], frames_ok=counters["frames"]["ok"])
+    counts.update(unique_graphs=counters["stats"]["unique_graphs"],
+                  graph_breaks=sum(counters["graph_break"].values()))
     # NOTE: one write: the ranks share torchrun's stdout, and print() writes the line and its end apart.
     sys.stdout.write(f"[rank {os.environ.get('RANK', 0)}] counts: {json.dumps(counts)}\n")
     sys.stdout.flush()

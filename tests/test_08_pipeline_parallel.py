@@ -180,15 +180,18 @@ def test_each_schedule_runs_the_micro_batches_in_its_order(env, runs):
             assert stats["reduce_ms"] == pytest.approx(reduce_ms) and reduce_ms > 0
             assert stats["busy_ms"] + reduce_ms == pytest.approx(sum(end - start for *_, start, end in stats["events"]))
     # Interleaved: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3; each micro-batch goes 0 -> 1 -> 2 -> 3 and
-    # back. Rank r runs (stages per rank - 1) x p + 2 x (p - 1 - r) forwards ahead (4 of 4 on rank 0, 2 on rank 1),
-    # then alternates; its later stage's backwards come first, each stage reducing after its last. Twice: 2 micro-steps.
+    # back. The step's 2 micro-steps of 2 micro-batches are one schedule of 4, in rounds of p = 2: one fill and one
+    # drain a step. Rank r runs (stages per rank - 1) x p + 2 x (p - 1 - r) forwards ahead (4 on rank 0, 2 on rank 1),
+    # then alternates one forward and one backward; each stage reduces after its last backward.
     interleaved = pipeline_records(runs, env, "pp2-interleaved-1f1b")[-1]
-    micro_step = {0: [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("B", 2, 0), ("B", 2, 1), ("R", 2, None),
-                      ("B", 0, 0), ("B", 0, 1), ("R", 0, None)],
-                  1: [("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("B", 3, 0), ("F", 3, 1), ("B", 3, 1), ("R", 3, None),
-                      ("B", 1, 0), ("B", 1, 1), ("R", 1, None)]}
+    step = {0: [("F", 0, 0), ("F", 0, 1), ("F", 2, 0), ("F", 2, 1), ("F", 0, 2), ("B", 2, 0), ("F", 0, 3), ("B", 2, 1),
+                ("F", 2, 2), ("B", 0, 0), ("F", 2, 3), ("B", 0, 1), ("B", 2, 2), ("B", 2, 3), ("R", 2, None),
+                ("B", 0, 2), ("B", 0, 3), ("R", 0, None)],
+            1: [("F", 1, 0), ("F", 1, 1), ("F", 3, 0), ("B", 3, 0), ("F", 3, 1), ("B", 3, 1), ("F", 1, 2), ("B", 1, 0),
+                ("F", 1, 3), ("B", 1, 1), ("F", 3, 2), ("B", 3, 2), ("F", 3, 3), ("B", 3, 3), ("R", 3, None),
+                ("B", 1, 2), ("B", 1, 3), ("R", 1, None)]}
     for pp_rank in (0, 1):
-        assert microbatch_order(interleaved, pp_rank) == micro_step[pp_rank] * 2
+        assert microbatch_order(interleaved, pp_rank) == step[pp_rank]
 
 
 def test_1f1b_holds_the_activations_of_fewer_micro_batches_than_gpipe(env, runs):
@@ -360,11 +363,13 @@ LAYOUT_ERRORS = {
                                                "--pp-schedule interleaved-1f1b needs 2 or more "
                                                "--pp-stages-per-rank, not 1"),
     "fewer micro-batches than stages for 1f1b": (2, ["--pp", "2", "--pp-microbatches", "1"], {},
-                                                 "--pp-schedule 1f1b needs at least one micro-batch per stage: use "
-                                                 "--pp-microbatches >= 2, or gpipe"),
+                                                 "--pp-schedule 1f1b needs at least one micro-batch per stage in a "
+                                                 "step, not 1 (--pp-microbatches x --grad-accum); use 2 or more, or "
+                                                 "gpipe"),
     "interleaved rounds": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5",
                                "--batch-size", "10"], {},
-                           "--pp-microbatches 5 cannot make 2 equal rounds of interleaved-1f1b"),
+                           "5 micro-batches a step (--pp-microbatches x --grad-accum) cannot make 2 equal rounds of "
+                           "interleaved-1f1b; use a multiple of --pp 2"),
     "tied embeddings across stages": (2, ["--pp", "2"], {"tie_word_embeddings": True},
                                       "tie_word_embeddings: the first and last stages cannot share one weight"),
 }

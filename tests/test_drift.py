@@ -55,13 +55,25 @@ LINEAGE = {
         "get_device": "srun binds one GPU to each task (Slurm's --gpus-per-task=1)",
     },
     ("03", "04"): {
-        "main": "FSDP: the model built on the meta device and sharded over a 1-D device mesh of all ranks, the "
-                "optimizer over the shards, no autocast and no no_sync(), no DDP and no ZeRO-1, and the checkpoints' "
-                "gloo groups (a second for --async-checkpoint's background thread)",
-        "get_parser": "the --cpu-offload option, without --zero1, --ckpt-timeout, the checkpoints' own timeout, and "
-                      "--async-checkpoint",
+        "main": "FSDP: the model built on the meta device and sharded over a 1-D device mesh of all ranks, filled "
+                "with its pretrained weights or from the seed, with activation checkpointing and compiled layers as "
+                "options; the optimizer over the shards, no autocast and no no_sync(), no DDP and no ZeRO-1, and the "
+                "checkpoints' gloo groups (a second for --async-checkpoint's background thread)",
+        "get_parser": "the --cpu-offload option, without --zero1, --ckpt-timeout, the checkpoints' own timeout, "
+                      "--async-checkpoint, --activation-checkpointing and --compile",
         "parse_args": "--ckpt-timeout must be at least 1 second too",
-        "init_weights": "each rank fills only its shard (a DTensor) of the full seeded value",
+        "init_weights": "each rank fills only its shard (a DTensor) of the full seeded value, named without the "
+                        "activation checkpoint wrapper's part",
+        "MODEL_FILES": "what a download of a pretrained model fetches",
+        "SKIPPED_MODEL_FILES": "what it leaves out",
+        "download_model": "pretrained weights from the hub",
+        "parameters_on_meta": "the model built without memory: parameters on the meta device, buffers for real",
+        "apply_activation_checkpointing": "the activation checkpointing option",
+        "compile_layers": "the torch.compile option",
+        "to_empty_keeping_buffers": "the sharded parameters allocated on the device, the buffers kept as built",
+        "find_weight_files": "the safetensors files of a pretrained folder (a folder of pickled weights gets a "
+                             "one-line error; a config-only folder trains from the seed)",
+        "load_pretrained_weights": "each rank reads its own slices of the pretrained weights",
         "save_checkpoint": "every rank writes its own shards with torch.distributed.checkpoint, waiting on the "
                            "checkpoints' gloo group (terabytes take longer than --dist-timeout), or stages them for "
                            "a background write (--async-checkpoint), the small state taken at the step saved",
@@ -71,14 +83,12 @@ LINEAGE = {
         "load_checkpoint": "each rank reads its own shards, resharding to the current world size, on the "
                            "checkpoints' gloo group",
         "shard_model": "FSDP: each layer, and the rest of the model, sharded as one group over the mesh",
-        "reset_rotary_embeddings": "a model built on the meta device recomputes its rotary buffers",
         "log_memory_held": "each rank shows it holds 1/N of parameters, gradients and optimizer state",
     },
     ("04", "05"): {
-        "main": "pretrained weights (from a folder or the hub), activation checkpointing, torch.compile, the "
-                "attention option with flash attention's kwargs, fine-tuning data (answers labelled, examples "
+        "main": "the attention option with flash attention's kwargs, fine-tuning data (answers labelled, examples "
                 "packed), the loss per label token of the global batch, and evaluation",
-        "get_parser": "the options of attention, activation checkpointing, compilation, splits and evaluation",
+        "get_parser": "the options of attention, splits and evaluation",
         "parse_args": "the evaluation options' rules",
         "shard_model": "separate FSDP groups for the embedding and the output head of a 405B model, prefetching, and "
                        "gradients summed (each rank's loss is its share of the global batch's)",
@@ -95,30 +105,26 @@ LINEAGE = {
         "count_label_tokens": "a micro-batch's label tokens, for the loss per token of the global batch",
         "evaluate": "the held-out loss",
         "log_metrics": "the eval loss in the log line",
-        "init_weights": "parameter names without the activation checkpoint wrapper's part",
         "attention_implementation": "the attention options: eager, SDPA, flash attention",
         "get_attention_kwargs": "the attention options: eager, SDPA, flash attention",
-        "MODEL_FILES": "what a download of a pretrained model fetches",
-        "SKIPPED_MODEL_FILES": "what it leaves out",
-        "download_model": "pretrained weights from the hub",
-        "apply_activation_checkpointing": "the activation checkpointing option",
-        "compile_layers": "the torch.compile option",
-        "find_weight_files": "the safetensors files of a pretrained folder (a folder of pickled weights gets a "
-                             "one-line error; a config-only folder trains from the seed)",
-        "load_pretrained_weights": "each rank reads its own slices of the pretrained weights",
     },
     ("04", "06"): {
-        "main": "tensor parallelism on a device mesh instead of FSDP, and loss_parallel()",
+        "main": "tensor parallelism on a device mesh instead of FSDP, before activation checkpointing and compile, "
+                "the loss from logits split along the vocabulary",
         "get_parser": "without --cpu-offload: tensor parallelism does not offload",
         "shard_model": "tensor parallelism replaces FSDP's sharding",
         "check_tensor_parallel_degree": "a degree that does not divide the model gets a one-line error",
         "parallelize_model": "the tensor-parallel plan",
+        "layer_plan": "a decoder layer's plan, from the modules it has; a weight the plan cannot split gets a one-line "
+                      "error",
+        "vocab_parallel_loss": "the causal-LM loss of logits split along the vocabulary",
+        "VocabParallelCrossEntropy": "its autograd function: three all-reduces of a number per token",
     },
     ("04", "08"): {
         "main": "pipeline parallelism on a (pp, dp) mesh: the model cut into stages, FSDP inside each stage (its "
                 "layers kept gathered after forward with pp > 1: they run a forward for every micro-batch), one "
-                "pipeline schedule per micro-step, the loss on the last stage only, the gradient norm over all "
-                "stages, and tokens counted once per pipeline",
+                "pipeline schedule per optimizer step (the micro-batches of all its --grad-accum batches), the loss "
+                "on the last stage only, the gradient norm over all stages, and tokens counted once per pipeline",
         "get_parser": "the --pp, --pp-schedule, --pp-microbatches and --pp-stages-per-rank options",
         "shard_model": "a stage's layers are a dict (the model's names), not the model's list",
         "save_checkpoint": "each rank's optimizer holds its own stages only: the saved parameter group lists the "
@@ -129,13 +135,13 @@ LINEAGE = {
         "DecoderStage": "one stage's forward, at the positions it is given",
         "# 6. The training loop: the pipeline": "the section of the pipeline's helpers",
         "get_loss_function": "the loss on the last stage",
-        "build_pipeline_schedule": "one schedule per micro-step",
+        "build_pipeline_schedule": "one schedule per optimizer step",
         "FSDPPipelineStage": "the stage that can reduce-scatter its gradients in every backward",
         "clip_grad_norm_across_stages": "the gradient norm over all stages",
     },
     ("06", "07"): {
-        "main": "a 2D device mesh: tensor parallelism inside a node, FSDP (optionally hybrid) across nodes, with "
-                "chapter 04's --cpu-offload",
+        "main": "a 2D device mesh: tensor parallelism inside a node (none at --tp 1), FSDP (optionally hybrid) "
+                "across nodes, with chapter 04's --cpu-offload",
         "get_parser": "the --tp and --dp-replicate options, and chapter 04's --cpu-offload back: FSDP offloads",
         "get_device_mesh": "the 2D mesh",
         "shard_model": "chapter 04's FSDP, unchanged (COPIES), over the dp dimensions of the mesh",
@@ -166,6 +172,8 @@ LINEAGE = {
         "head_to_sequence_shards": "its second",
         "AllToAll": "its autograd function",
         "get_model_inputs": "each rank's share of the sequences, positions and labels cut before the split",
+        "compile_layers": "with --cp > 1 the attention across the split runs eager (c10d's sends and receives end a "
+                          "graph); the layer's other modules compile",
     },
     ("04", "10"): {
         "main": "an (edp, ep) device mesh, the experts' forward registered with transformers, the load-balancing loss "
@@ -185,18 +193,20 @@ LINEAGE = {
         "clip_grad_norm": "the gradient norm over the experts' mesh and the rest's",
         "get_flops_per_token": "MFU counts the active parameters: top-k of each layer's experts",
         "log_metrics": "the log line shows the auxiliary loss and the expert load",
+        "compile_layers": "a MoE block runs eager (it reads its split sizes on the host, which ends a graph); the "
+                          "other modules of its layer compile",
     },
     ("07", "11"): {
         "main": "a (dp, pp, cp, tp) mesh and its checks, the model parallelized by parallelize(), each rank's "
-                "tokens and shifted labels, one pipeline schedule per micro-step under loss_parallel(), the loss as "
+                "tokens and shifted labels, one pipeline schedule per optimizer step (none at --pp 1), the loss as "
                 "each rank's share of the global mean, the gradient norm over all stages",
-        "parallelize": "the composition, in torchtitan's order: the pipeline split (chapter 08), tensor parallelism, "
-                       "the attention across the split (chapter 09), FSDP over dp and cp on each stage",
+        "parallelize": "the composition, in torchtitan's order: tensor parallelism, the attention across the split "
+                       "(chapter 09), activation checkpointing and compile, the pipeline split (chapter 08), FSDP "
+                       "over dp and cp on each stage; a degree of 1 wraps nothing",
         "get_parser": "chapter 08's --pp options and chapter 09's --cp and --cp-load-balance (their definitions), without "
                       "--dp-replicate: hybrid sharding is left out of the 4D mesh",
         "get_device_mesh": "the 4D mesh, tp innermost, dp outermost (Llama 3's order)",
-        "parallelize_model": "after the pipeline split: a rank's layers are a dict, and only the plan's keys of the "
-                             "parts its stages hold are applied",
+        "compile_layers": "chapter 09's, unchanged (COPIES): the ring attention runs eager",
         "shard_model": "chapter 08's FSDP per stage (its layers a dict), summing the gradients as chapter 09 does "
                        "(each rank's loss is its share of the global mean)",
         "save_checkpoint": "chapter 08's: the saved parameter group lists every stage's names",
@@ -232,9 +242,11 @@ MUST_EXIST = {("01", "02")}
 # (base chapter, chapter) -> {a comment line the chapter rewords, inside an allowlisted definition, away from the code
 # it is about: why the lesson rewords it}. Any other hunk of comments or formatting alone fails (find_reflows).
 REWORDED = {
-    ("04", "05"): {
+    ("03", "04"): {
         "# 1. The model: built empty, sharded, then filled with its pretrained weights (or from the seed if it has "
-        "none).": "the section now loads pretrained weights",
+        "none).": "the model is built on the meta device, sharded, then loaded or seeded",
+    },
+    ("04", "05"): {
         "# 2. The data: examples labelled on their answers only, packed into rows of --seq-length, cached on disk.":
             "the section now prepares fine-tuning data",
         "# NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.":
@@ -248,9 +260,9 @@ REWORDED = {
             "tensor parallelism slices the parameters instead of sharding them",
     },
     ("04", "08"): {
-        "# 1. The model: from its config (untrained), cut into stages, initialized from the seed.":
+        "# 1. The model: built empty, cut into stages, sharded, filled with its pretrained weights (or from the seed).":
             "the model is cut into stages",
-        "# 6. The training loop, one pipeline schedule per micro-step.": "the loop runs the pipeline's schedule",
+        "# 6. The training loop, one pipeline schedule per optimizer step.": "the loop runs the pipeline's schedule",
         "# NOTE: last-stage ranks hold their share's mean, the others 0: the sum / dp is the global batch's loss.":
             "only the last stage computes a loss; it is divided by dp, not the world size, a few lines on",
     },
@@ -263,9 +275,10 @@ REWORDED = {
         "CPU).": "chapter 07 brings back chapter 04's --cpu-offload",
     },
     ("07", "11"): {
-        "# 1. The model: from its config (untrained), parallelized in four dimensions, initialized from the seed.":
-            "parallelize() composes the four dimensions where chapter 07 composed two",
-        "# 6. The training loop, one pipeline schedule per micro-step.": "chapter 08's loop, the pipeline's schedule",
+        "# 1. The model: built empty, parallelized in four dimensions, filled with its pretrained weights (or the "
+        "seed).": "parallelize() composes the four dimensions where chapter 07 composed two",
+        "# 6. The training loop, one pipeline schedule per optimizer step.": "chapter 08's loop, the pipeline's "
+                                                                              "schedule",
         "# NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.":
             "chapter 08's loss of the last stage, which the tp ranks of a share hold alike",
     },
@@ -279,7 +292,7 @@ COPIES = {
     ("08", "11"): ["PIPELINE_SCHEDULES", "check_pipeline_layout", "split_into_stages", "DecoderStage",
                    "# 6. The training loop: the pipeline", "build_pipeline_schedule", "FSDPPipelineStage",
                    "clip_grad_norm_across_stages", "save_checkpoint"],
-    ("09", "11"): ["# 1b. Attention across the split", "get_token_indices", "ring_attention", "RingAttention",
+    ("09", "11"): ["compile_layers", "# 1b. Attention across the split", "get_token_indices", "ring_attention", "RingAttention",
                    "ring_steps", "start_ring_pass", "visible_block", "attention_block", "attention_block_backward",
                    "repeat_key_value_heads", "merge_block"],
 }
