@@ -71,6 +71,8 @@ def main():
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
+    require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
+            "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     with device:
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)

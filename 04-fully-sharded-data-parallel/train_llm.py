@@ -81,6 +81,8 @@ def main():
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
+    require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
+            "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     with parameters_on_meta():

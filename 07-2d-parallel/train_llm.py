@@ -83,6 +83,8 @@ def main():
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
+    require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
+            "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
@@ -551,45 +553,43 @@ def layer_plan(layer, config):
     return {key: style for key, style in plan.items() if key in held}
 
 
-def vocab_parallel_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
-                        tp_group=None, **kwargs):
-    """transformers' causal-LM loss of logits split along the vocabulary over tp_group: the same mean per label."""
+def vocab_parallel_loss(logits, labels, vocab_size, num_items_in_batch=None, shift_labels=None, tp_group=None,
+                        **kwargs):
+    """transformers' causal-LM loss (ForCausalLMLoss) of logits split along the vocabulary over tp_group."""
     if shift_labels is None:
-        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    token_losses = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), shift_labels.flatten(), ignore_index,
-                                                   tp_group)
-    return token_losses.sum() / (num_items_in_batch if num_items_in_batch is not None else
-                                 (shift_labels != ignore_index).sum())
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    labelled = shift_labels.flatten() != -100
+    losses = VocabParallelCrossEntropy.apply(logits.flatten(0, -2), shift_labels.flatten(), tp_group) * labelled
+    return losses.sum() / (labelled.sum() if num_items_in_batch is None else num_items_in_batch)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Each token's cross-entropy from this rank's slice of its logits: three all-reduces of one number per token
-    (the largest logit, the sum of exponentials, the label's logit), and a backward with none."""
+    """Each token's cross-entropy from this rank's slice of its logits: all-reduces of the largest logit, the sum of
+    exponentials and the label's logit (on the rank that holds it); the backward needs none."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ignore_index, group):
-        logits = logits.float()
+    def forward(ctx, logits, labels, group):
         local_labels = labels - dist.get_rank(group) * logits.shape[-1]
         owned = (local_labels >= 0) & (local_labels < logits.shape[-1])
-        local_labels = local_labels.clamp(0, logits.shape[-1] - 1)
-        largest = logits.amax(dim=-1)
+        local_labels = local_labels.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)
+        largest = logits.amax(-1, keepdim=True).float()
         dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-        exponentials = (logits - largest.unsqueeze(-1)).exp()
-        sums = torch.stack([exponentials.sum(-1),
-                            logits.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).sub(largest).mul(owned)])
+        # NOTE: one fp32 copy of the logits: shifted, its label's entry read, then exponentiated in place.
+        exponentials = logits.to(torch.float32, copy=True).sub_(largest)
+        label_logits = exponentials.gather(-1, local_labels) * owned.unsqueeze(-1)
+        sums = torch.cat([exponentials.exp_().sum(-1, keepdim=True), label_logits], -1)
         dist.all_reduce(sums, group=group)
-        labelled = labels != ignore_index
-        ctx.save_for_backward(exponentials.div_(sums[0].unsqueeze(-1)), local_labels, owned & labelled, labelled)
+        ctx.save_for_backward(exponentials.div_(sums[:, :1]), local_labels, owned)
         ctx.logits_dtype = logits.dtype
-        return (sums[0].log() - sums[1]) * labelled
+        return sums[:, 0].log() - sums[:, 1]
 
     @staticmethod
     def backward(ctx, grad_losses):
-        probabilities, local_labels, owned, labelled = ctx.saved_tensors
-        # NOTE: d loss / d logits = softmax - one-hot of the label (on the rank that owns it), for labelled tokens.
-        grad_logits = probabilities.mul_((grad_losses * labelled).unsqueeze(-1))
-        grad_logits.scatter_add_(-1, local_labels.unsqueeze(-1), (-grad_losses * owned).unsqueeze(-1))
-        return grad_logits, None, None, None
+        probabilities, local_labels, owned = ctx.saved_tensors
+        # NOTE: d loss / d logits = softmax - the label's one-hot, whose 1 is on the rank that holds the label.
+        grad_logits = probabilities.mul_(grad_losses.unsqueeze(-1))
+        grad_logits.scatter_add_(-1, local_labels, -(grad_losses * owned).unsqueeze(-1))
+        return grad_logits.to(ctx.logits_dtype), None, None
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):

@@ -85,6 +85,8 @@ def main():
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
+    require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
+            "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     # NOTE: pp first: consecutive ranks (a node's GPUs) shard one stage; only activations cross to the next node.

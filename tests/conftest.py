@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (BACKGROUND_RUNS, REPO, TINY_MODEL, FakeFlashAttention, SharedBackgroundRun, SharedRuns,
-                     in_background, processes_with_marker, script)
+                     in_background, locked, processes_with_marker, script, write_family_models)
 
 WARM_START = Path(__file__).resolve().parent / "warm_start"
 SELECTED_FIXTURES = pytest.StashKey[set]()
@@ -267,6 +267,13 @@ def tied_model(session_dir):
         config["tie_word_embeddings"] = True
         (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+@pytest.fixture(scope="session")
+def family_models(shared_dir):
+    """{family: model folder} of the family-by-chapter matrix (helpers.FAMILIES), written once for all workers."""
+    with locked(shared_dir / "family-models.lock"):
+        return write_family_models(shared_dir / "family-models")
 
 
 @pytest.fixture

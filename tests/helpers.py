@@ -33,6 +33,7 @@ TINY_CHAT = REPO / "data" / "tiny-chat"
 PLAIN_TEXT = ["-d", str(TINY_CORPUS), "--eval-fraction", "0"]
 FAULTS = REPO / "tests" / "faults"
 COUNTING_RUN = REPO / "tests" / "counting_run.py"
+MANY_RUNS = REPO / "tests" / "many_runs.py"
 
 # Small and fast: a 10-step run takes a few seconds on one CPU core.
 FAST_ARGS = ["--seq-length", "64", "--batch-size", "4", "--log-freq", "1", "--ckpt-freq", "1000",
@@ -669,3 +670,162 @@ def quick_cases(cases, *quick):
     import pytest
 
     return [pytest.param(case, marks=pytest.mark.quick) if case in quick else case for case in cases]
+
+
+# The family-by-chapter matrix: tiny configs of the causal-LM families people fine-tune and pre-train today, written
+# by the tests (conftest.py's family_models) with the bundled tokenizer. Every chapter trains each family as chapter
+# 01 does, or stops before the first step with one line (FAMILY_REFUSALS). The mixtures of experts leave
+# output_router_logits false, as their hub configs do: only chapters 01 and 10 train the load-balancing loss.
+FAMILY_COMMON = dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=0, eos_token_id=1,
+                     pad_token_id=None, tie_word_embeddings=False, initializer_range=0.02)
+FAMILY_MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.01, output_router_logits=False)
+FAMILIES = {
+    "Llama": dict(model_type="llama"),
+    "Llama, tied head": dict(model_type="llama", tie_word_embeddings=True),
+    "Qwen2 (biases)": dict(model_type="qwen2"),
+    "Qwen3 (q/k norms)": dict(model_type="qwen3"),
+    "Mistral (sliding window)": dict(model_type="mistral", sliding_window=128),
+    "Gemma 3 (tied, 4 norms)": dict(model_type="gemma3_text", tie_word_embeddings=True, sliding_window=128,
+                                    query_pre_attn_scalar=16),
+    "OLMo 2 (norms over all heads)": dict(model_type="olmo2"),
+    "Phi-3 (fused projections)": dict(model_type="phi3"),
+    "Mixtral (MoE)": dict(model_type="mixtral", num_local_experts=4, **FAMILY_MOE),
+    "Qwen2-MoE (shared expert)": dict(model_type="qwen2_moe", num_experts=4, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, **FAMILY_MOE),
+    "Qwen3-MoE": dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32, **FAMILY_MOE),
+    "DeepSeek-V3 (MLA, shared expert)": dict(model_type="deepseek_v3", n_routed_experts=4, n_shared_experts=1,
+                                             moe_intermediate_size=32, first_k_dense_replace=1, n_group=2,
+                                             topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4, head_dim=8,
+                                             **FAMILY_MOE),
+}
+MOE_FAMILIES = [name for name, config in FAMILIES.items() if "num_experts_per_tok" in config]
+# Each chapter's layout in the matrix: (processes, flags), every one a global batch of 4 sequences of 32 tokens.
+MATRIX_LAYOUTS = {
+    "01": (None, ["--batch-size", "4"]),
+    "02": (2, ["--batch-size", "2"]),
+    "03": (2, ["--batch-size", "2"]),
+    "04": (2, ["--batch-size", "2"]),
+    "05": (2, ["--batch-size", "2", "--eval-fraction", "0"]),
+    "06": (2, ["--batch-size", "4"]),
+    "07": (2, ["--tp", "2", "--batch-size", "4"]),
+    "08": (2, ["--pp", "2", "--batch-size", "4"]),
+    "09": (2, ["--cp", "2", "--batch-size", "4"]),
+    "10": (2, ["--ep", "2", "--batch-size", "2"]),
+    "11": (4, ["--tp", "2", "--pp", "2", "--batch-size", "4"]),
+}
+MATRIX_ARGS = ["--seq-length", "32", "--max-steps", "3", "--wandb-mode", "disabled"]
+TIED, TENSOR_PARALLEL = ["Llama, tied head", "Gemma 3 (tied, 4 norms)"], ["06", "07", "11"]
+# (family, chapter) -> the start of the one line the chapter stops with; every other cell trains.
+FAMILY_REFUSALS = {
+    **{(family, chapter): "tie_word_embeddings: the first and last stages cannot share one weight"
+       for family in TIED for chapter in ["08", "11"]},
+    **{(family, "09"): "the model has sliding-window attention"
+       for family in ["Mistral (sliding window)", "Gemma 3 (tied, 4 norms)"]},
+    **{(family, chapter): f"tensor parallelism has no plan for {weight}"
+       for chapter in TENSOR_PARALLEL for family, weight in [
+           ("Phi-3 (fused projections)", "self_attn.qkv_proj.weight"), ("Mixtral (MoE)", "mlp.gate.weight"),
+           ("Qwen2-MoE (shared expert)", "mlp.gate.weight"), ("Qwen3-MoE", "mlp.experts.gate_up_proj"),
+           ("DeepSeek-V3 (MLA, shared expert)", "self_attn.q_a_proj.weight")]},
+    **{("OLMo 2 (norms over all heads)", chapter): "self_attn.q_norm of Olmo2DecoderLayer normalizes all heads together"
+       for chapter in TENSOR_PARALLEL},
+    **{(family, "10"): "--ep 2, but" for family in FAMILIES if family not in MOE_FAMILIES},
+}
+
+
+def family_folder_name(family):
+    return "".join(character if character.isalnum() else "-" for character in family.lower()).strip("-")
+
+
+def write_family_models(folder):
+    """Each family's model folder in folder: its config.json (FAMILY_COMMON and its own entries) and the bundled
+    tokenizer; and "corpus": the first 60 texts of the bundled corpus, enough for the matrix's 3 steps (each
+    family's tokenizer is another folder, so each tokenizes the corpus anew). Returns {family or "corpus": path}."""
+    import shutil
+
+    folders = {"corpus": Path(folder) / "corpus.jsonl"}
+    folders["corpus"].parent.mkdir(parents=True, exist_ok=True)
+    folders["corpus"].write_text("".join((TINY_CORPUS / "train.jsonl").read_text().splitlines(keepends=True)[:60]))
+    for family, config in FAMILIES.items():
+        folders[family] = Path(folder) / family_folder_name(family)
+        folders[family].mkdir(parents=True, exist_ok=True)
+        for name in ["tokenizer.json", "tokenizer_config.json"]:
+            shutil.copy(TINY_MODEL / name, folders[family] / name)
+        (folders[family] / "config.json").write_text(json.dumps({**FAMILY_COMMON, **config}, indent=1))
+    return folders
+
+
+def matrix_job(runs, env, chapter, family_models):
+    """One job of tests/many_runs.py (runs: SharedRuns) training every family in chapter's MATRIX_LAYOUTS layout, the
+    buffers checked: {family: {"exit": code, "error": line or None, "buffers": [line per rank], "metrics": [...]}}."""
+    import re
+
+    nproc, flags = MATRIX_LAYOUTS[chapter]
+    runs_file = runs.workdir / f"matrix-{chapter}.json"
+    experiments = {family: f"matrix-{chapter}-{family_folder_name(family)}" for family in FAMILIES}
+    runs_file.write_text(json.dumps([["-m", str(family_models[family]), "-e", experiments[family]]
+                                     for family in FAMILIES]))
+    flags = [*flags, "-d", family_models["corpus"]]
+    launcher = [sys.executable] if nproc is None else torchrun(nproc)
+    result, _ = runs.train(chapter, {**env, "MANY_RUNS_BUFFERS": "1"}, *MATRIX_ARGS, *flags, nproc=nproc,
+                           launcher=[*launcher, MANY_RUNS, runs_file])
+    cells = {}
+    for number, family in enumerate(FAMILIES):
+        lines = re.findall(rf"\[rank (\d+)\] run {number}: (.*)", result.stdout)
+        metrics = runs.workdir / "outputs" / experiments[family] / "metrics.jsonl"
+        cells[family] = {"exit": {line for _, line in lines if line.startswith("exit ")},
+                         "error": next((line for _, line in lines if line.startswith("error: ")), None),
+                         "buffers": [line for _, line in lines if line.startswith("buffers ")],
+                         "metrics": read_metrics(metrics.parent) if metrics.exists() else None}
+    return cells
+
+
+def check_family_matrix(chapter, runs, env, family_models):
+    """Every family in chapter trains as in chapter 01 (losses within 1e-5, gradient norms GRAD_NORM_TOLERANCE), its
+    buffers its constructor's on every rank, or every rank stops with FAMILY_REFUSALS' line. Returns the cells."""
+    nproc = MATRIX_LAYOUTS[chapter][0] or 1
+    reference, cells = matrix_job(runs, env, "01", family_models), matrix_job(runs, env, chapter, family_models)
+    problems = []
+    for family, cell in cells.items():
+        refusal = FAMILY_REFUSALS.get((family, chapter))
+        if refusal is not None:
+            if cell["exit"] != {"exit 1"} or not (cell["error"] or "").startswith(f"error: {refusal}"):
+                problems.append(f"{family}: expected the one line 'error: {refusal}...', got {cell['exit']} "
+                                f"{cell['error']}")
+            continue
+        if cell["exit"] != {"exit 0"} or cell["metrics"] is None:
+            problems.append(f"{family}: did not train: {cell['exit']} {cell['error']}")
+            continue
+        expected = reference[family]["metrics"]
+        losses = max(abs(a["loss"] - b["loss"]) for a, b in zip(cell["metrics"], expected))
+        norms = max(abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(cell["metrics"], expected))
+        cell["loss_difference"], cell["norm_difference"] = losses, norms
+        if len(cell["metrics"]) != len(expected) or losses > 1e-5 or norms > GRAD_NORM_TOLERANCE:
+            problems.append(f"{family}: losses {losses:.1e} and gradient norms {norms:.1e} from chapter 01's")
+        if len(cell["buffers"]) != nproc or not all(line.startswith("buffers equal") for line in cell["buffers"]):
+            problems.append(f"{family}: {cell['buffers']}")
+    assert not problems, f"chapter {chapter}:\n" + "\n".join(problems)
+    return cells
+
+
+# What a refusal's line starts with -> the matrix table's word for it.
+REFUSAL_WORDS = {"tie_word_embeddings": "tied head", "the model has sliding-window": "sliding window",
+                 "tensor parallelism has no plan": "no TP plan", "self_attn.q_norm": "norm over all heads",
+                 "--ep 2, but": "dense"}
+MATRIX_BEGIN, MATRIX_END = "<!-- table: family matrix, from tests/helpers.py's FAMILY_REFUSALS -->", "<!-- end of table -->"
+
+
+def family_matrix_table():
+    """The family-by-chapter matrix in Markdown, between its markers: ✓ where the chapter trains the family as chapter
+    01 does (the tests check it), else the word for the one line it stops with."""
+    chapters = sorted(MATRIX_LAYOUTS)
+    rows = [f"| family | {' | '.join(chapters)} |", f"| --- |{' :---: |' * len(chapters)}"]
+    for family in FAMILIES:
+        cells = []
+        for chapter in chapters:
+            refusal = FAMILY_REFUSALS.get((family, chapter))
+            cells.append("✓" if refusal is None else next(word for start, word in REFUSAL_WORDS.items()
+                                                          if refusal.startswith(start)))
+        rows.append(f"| {family} | {' | '.join(cells)} |")
+    return "\n".join([MATRIX_BEGIN, "", *rows, "", MATRIX_END])

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, TINY_MODEL, cold_start, error_line,
                      grad_norm_difference, load_script, logged_step, max_difference, printed, read_losses, read_metrics,
-                     script, train, train_until_signalled, with_faults)
+                     script, train, train_until_signalled, with_faults, check_family_matrix)
 
 
 
@@ -348,3 +348,8 @@ def assert_same_weights(checkpoint_a, checkpoint_b, tolerance):
     assert weights_a.keys() == weights_b.keys()
     largest = max((weights_a[name] - weights_b[name]).abs().max().item() for name in weights_a)
     assert largest <= tolerance, f"weights differ by {largest}"
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("01", runs, env, family_models)

@@ -14,7 +14,7 @@ import torch
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_seconds, error_lines,
                      grad_norm_difference, largest_weight_difference, load_script, max_difference, read_losses,
-                     read_metrics, run, script, torchrun, train, train_with_a_restart, with_faults)
+                     read_metrics, run, script, torchrun, train, train_with_a_restart, with_faults, check_family_matrix)
 from helpers import quick_cases
 
 README = REPO / CHAPTERS["02"] / "README.md"
@@ -252,3 +252,8 @@ def test_torchrun_restarts_on_the_agents_store_get_a_one_line_error(env, tmp_pat
     errors = error_lines(result.stderr)
     assert 2 <= len(errors) <= 4 and all("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in line for line in errors), errors
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("02", runs, env, family_models)

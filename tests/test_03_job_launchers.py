@@ -22,7 +22,8 @@ import uuid
 import pytest
 
 from helpers import (CHAPTERS, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, cold_start, error_line,
-                     grad_norm_difference, loss_and_weight_differences, read_losses, run, run_together, script)
+                     grad_norm_difference, loss_and_weight_differences, read_losses, run, run_together, script,
+                     check_family_matrix)
 
 CHAPTER = REPO / CHAPTERS["03"]
 FAULTS = REPO / "tests" / "faults"
@@ -344,3 +345,8 @@ def test_torchrun_agent_with_an_unreachable_endpoint_fails_in_bounded_time(env, 
     assert message and message.group(1) == (f"The client socket has timed out after 10000ms while trying to connect "
                                             f"to (127.0.0.1, {closed_port}).")
     assert not (tmp_path / "outputs").exists(), "no worker should have started"
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("03", runs, env, family_models)

@@ -17,8 +17,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, checkpoint_weights, cold_start,
-                     error_line, grad_norm_difference, load_script, logged_parameter_count, logged_step,
+from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, check_family_matrix, checkpoint_weights,
+                     cold_start, error_line, grad_norm_difference, load_script, logged_parameter_count, logged_step,
                      max_difference, memory_held, read_losses, read_metrics, run, train, train_until_signalled,
                      with_faults)
 
@@ -421,3 +421,8 @@ def test_cpu_offload_without_a_gpu_gets_a_one_line_error(env, tmp_path):
     assert result.returncode == 1
     assert error_line(result).startswith("error: --cpu-offload") and "needs CUDA" in error_line(result)
     assert "Traceback" not in result.stderr
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("04", runs, env, family_models)

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from helpers import (CHAPTERS, COUNTING_RUN, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, PLAIN_TEXT, REPO, TINY_CHAT,
                      TINY_MODEL, checkpoint_weights, counted, error_line, grad_norm_difference, load_script,
                      logged_parameter_count, max_difference, model_without_chat_template, read_losses, read_metrics,
-                     run, script, torchrun, train)
+                     run, script, torchrun, train, check_family_matrix)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
@@ -693,3 +693,8 @@ def test_the_readme_s_chat_command_answers_from_the_fine_tuned_checkpoint(runs, 
     result = run([sys.executable, REPO / "tools" / "generate.py", *words[2:], "--max-new-tokens", "8"], env, tmp_path)
     assert "checkpoint-00000006" in result.stderr and result.stdout.strip()
     assert "Which play" not in result.stdout, "the answer only, not the prompt"
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("05", runs, env, family_models)

@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, error_lines,
                      grad_norm_difference, logged_parameter_count, max_difference, read_losses, read_metrics,
-                     readme_experiment, run, script, torchrun, train, train_with_a_restart, without_experiment)
+                     readme_experiment, run, script, torchrun, train, train_with_a_restart, without_experiment,
+                     check_family_matrix)
 
 README = REPO / CHAPTERS["06"] / "README.md"
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
@@ -245,3 +246,8 @@ def test_the_readme_cpu_commands_train(env, tmp_path):
     experiment = tmp_path / "outputs" / CHAPTERS["06"]
     assert [record["step"] for record in read_metrics(experiment)] == [2]
     assert "rank 1 of 2" in result.stdout and "done: step 2 of 2" in result.stdout
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("06", runs, env, family_models)

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, error_lines,
                      grad_norm_difference, logged_parameter_count, max_difference, read_losses, readme_experiment,
-                     train, without_experiment)
+                     train, without_experiment, check_family_matrix)
 
 README = REPO / CHAPTERS["07"] / "README.md"
 STEPS, HALF = 6, 3
@@ -175,3 +175,8 @@ def test_readme_cpu_commands_are_layouts_tested_here():
     assert len({readme_experiment(command, "07") for command in commands}) == len(commands)
     layouts = [without_experiment(command) for command in commands]
     assert tested[0] in layouts and tested[-1] in layouts, "the README shows dp 2 x tp 2 and hybrid sharding"
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("07", runs, env, family_models)

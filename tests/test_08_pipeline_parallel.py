@@ -17,7 +17,7 @@ import pytest
 
 from helpers import (CHAPTERS, REPO, TINY_MODEL, checkpoint_weights, error_line, error_lines, load_script,
                      max_difference, read_losses, read_metrics, readme_experiment, run, torchrun, train, with_faults,
-                     without_experiment)
+                     without_experiment, check_family_matrix)
 from helpers import quick_cases
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -441,3 +441,8 @@ def test_a_missing_text_column_stops_every_rank_with_the_one_line(env, tmp_path)
     assert len(errors) == 2 and all(line.startswith("error: no text column 'nope'")
                                     for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr and "Connection closed" not in result.stderr
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("08", runs, env, family_models)

@@ -23,7 +23,7 @@ from transformers import AutoConfig
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, error_lines, grad_norm_difference,
                      load_script, max_difference, read_losses, read_metrics, readme_experiment, run, script, torchrun,
-                     train)
+                     train, check_family_matrix)
 from helpers import quick_cases
 from test_drift import LINEAGE, top_level_definitions
 
@@ -326,3 +326,8 @@ def test_the_readme_explains_every_definition_the_diff_adds_or_changes():
                           if name.isidentifier() and name not in ("__doc__", "imports"))
     missing = [name for name in names if f"`{name}" not in text]
     assert not missing, f"the README does not name {missing}"
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("09", runs, env, family_models)

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Mixtra
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, error_lines, grad_norm_difference,
                      load_script, max_difference, read_losses, read_metrics, readme_experiment, run, script, torchrun,
-                     train)
+                     train, check_family_matrix)
 from helpers import quick_cases
 from test_drift import LINEAGE, top_level_definitions
 
@@ -352,3 +352,8 @@ def test_mfu_counts_the_active_parameters_only():
     others = sum(p.numel() for p in model.parameters()) - experts - model.get_input_embeddings().weight.numel()
     flops = load_script("10").get_flops_per_token(model, config, SEQ_LENGTH)
     assert flops == 6 * (others + experts * 2 / 8) + 12 * 4 * 8 * 32 * SEQ_LENGTH
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("10", runs, env, family_models)

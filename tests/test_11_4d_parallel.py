@@ -16,7 +16,7 @@ import pytest
 
 from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, error_lines,
                      grad_norm_difference, logged_step, max_difference, read_losses, read_metrics, readme_experiment,
-                     train, train_until_signalled, without_experiment)
+                     train, train_until_signalled, without_experiment, check_family_matrix)
 from helpers import quick_cases
 
 README = REPO / CHAPTERS["11"] / "README.md"
@@ -196,3 +196,8 @@ def test_readme_cpu_commands_are_layouts_tested_here():
     assert all(without_experiment(command) in tested for command in commands), commands
     # NOTE: each its own experiment: a later one would resume an earlier one's finished run and train nothing
     assert len({readme_experiment(command, "11") for command in commands}) == len(commands)
+
+
+def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
+    """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
+    check_family_matrix("11", runs, env, family_models)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CHAPTERS, REPO, cold_start, load_script, read_metrics, run, script, train
+from helpers import CHAPTERS, REPO, cold_start, family_matrix_table, load_script, read_metrics, run, script, train
 
 EXISTING_CHAPTERS = [chapter for chapter in CHAPTERS if script(chapter).exists()]
 # NOTE: every page one folder down, not only README.md: related-topics/ has a page a topic.
@@ -288,6 +288,14 @@ def test_chapter_01_and_11_stay_within_their_character_budgets():
 
 
 TRACKER_REFERENCE = re.compile(r"\bissues? #?\d{1,3}\b|\bthe issue's\b|\(#\d{1,3}\)", re.IGNORECASE)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("readme", ["README.md", "tests/README.md"])
+def test_the_family_matrix_in_the_readmes_is_the_one_the_tests_check(readme):
+    text = (REPO / readme).read_text()
+    assert family_matrix_table() in text, f"{readme}'s family matrix is not FAMILY_REFUSALS'; paste this in:\n" \
+                                          f"{family_matrix_table()}"
 
 
 @pytest.mark.quick

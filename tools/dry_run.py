@@ -367,11 +367,11 @@ def compare(result):
     counters = result["step_counter_bytes"]
     # NOTE: the held parameters: MemTracker files FSDP's gathered (unsharded) parameters as parameters too.
     dry_peak_other = peak["Total"] - get(held, *params) - get(peak, "Optstate", "OptState", "Activation")
-    est_other = est["peak_bytes"] - est["params_bytes"] - est["optimizer_bytes"] - est["activations_bytes"]
+    est_other = est["peak_bytes"] - est["params_bytes"] - est["optimizer_bytes"] - est["activations_at_peak_bytes"]
     return [("parameters", get(held, *params), est["params_bytes"]),
             ("gradients", get(held, *grads), est["grads_bytes"]),
             ("optimizer state", get(held, "Optstate", "OptState") - counters, est["optimizer_bytes"]),
-            ("activations at the peak", get(peak, "Activation"), est["activations_bytes"]),
+            ("activations at the peak", get(peak, "Activation"), est["activations_at_peak_bytes"]),
             ("the rest at the peak", dry_peak_other, est_other),
             ("peak", peak["Total"], est["peak_bytes"])]
 

@@ -501,6 +501,7 @@ def estimate_step(config, layout):
         "expert_params_bytes": state["expert_params_bytes"],
         "cpu_bytes": state["cpu_bytes"],
         "activations_bytes": activations["saved_bytes"],
+        "activations_at_peak_bytes": peak["activations_at_peak_bytes"],
         "gathered_weights_bytes": gathered_weights(groups, layout),
         "full_size_grads_peak_bytes": full_size_gradients(groups, state, layout),
         "transient_bytes": peak["transient_bytes"],
@@ -590,10 +591,12 @@ def activation_model(dims, layout, coords, widths):
     embedding = (w["residual"] * h * (1 - 1 / t) * tokens) if first == 0 and t > 1 else 0
     final_norm = norm * tokens if is_last_stage else 0
     vocab_local = dims.vocab / t
-    # NOTE: the loss keeps log_softmax's fp32 output; its backward holds two more fp32 logits-sized tensors, and
-    # loss_parallel's (DTensor's cross-entropy of split logits) three, measured on CPUs.
+    # NOTE: the loss keeps log_softmax's fp32 output; its backward holds two more fp32 logits-sized tensors, measured
+    # on CPUs. Split along the vocabulary (tp > 1) it keeps the fp32 softmax, and its backward turns that into the
+    # gradient in place, copied to the logits' dtype (VocabParallelCrossEntropy).
     loss_saved = w["loss"] * vocab_local * tokens if is_last_stage else 0
-    loss_backward = (3 if t > 1 else 2) * w["loss"] * vocab_local * tokens if is_last_stage else 0
+    backward_bytes = (w["matmul"] if w["matmul"] != w["loss"] else 0) if t > 1 else 2 * w["loss"]
+    loss_backward = backward_bytes * vocab_local * tokens if is_last_stage else 0
     rotary = 2 * w["residual"] * layout.seq_length // layout.cp * dims.head_dim
     in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
     if layout.activation_checkpointing:
@@ -746,9 +749,10 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
             return group.grad_full_bytes * 4 // widths["grads"]
         return group.sharded_grad_bytes
 
-    phases = {}
+    phases, alive = {}, {}
     saved = activations["saved_bytes"]
     phases["start of backward"] = saved + activations["loss_backward_bytes"] + kept_gathered
+    alive["start of backward"] = saved
     grads_done = accumulated or (0 if grads_exist_at_start else head_gradients(other_groups, layout, widths))
     layer_activations = activations["layer_bytes"] * activations["in_flight"]
     kept = activations["layer_input_bytes"] if layout.activation_checkpointing else layer_activations
@@ -787,6 +791,7 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
             own_grads = 0 if grads_exist_at_start or accumulated else group.grad_full_bytes
             end = live_below + own_grads + grads_done + flowing / 3
         phases[f"backward of layer {group.layer}"] = max(middle, end)
+        alive[f"backward of layer {group.layer}"] = live_below + (own if middle >= end else 0)
         grads_done += 0 if grads_exist_at_start or accumulated else sharded_grad(group)
     # The end of backward: every gradient, and the one arriving at the embedding (whole under TP); with FSDP the
     # last group's unsharded gradients and its reduce-scatter buffers (chapter 04's root group, chapter 05's
@@ -805,9 +810,12 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
     phase, above_start = max(phases.items(), key=lambda item: item[1])
     at_start = (state["params_bytes"] + state["optimizer_bytes"]
                 + (state["grads_bytes"] if grads_exist_at_start else 0))
-    transient = above_start - saved
+    # NOTE: the activations still alive in the peak's phase: in a layer's backward, the loss's and the later
+    # layers' are freed.
+    transient = above_start - alive.get(phase, 0)
     return {"above_start_bytes": round(above_start), "transient_bytes": round(transient),
-            "peak_bytes": round(at_start + above_start), "phase": phase}
+            "peak_bytes": round(at_start + above_start), "phase": phase,
+            "activations_at_peak_bytes": round(alive.get(phase, 0))}
 
 
 def full_size_gradients(groups, state, layout):
@@ -957,8 +965,9 @@ def tensor_parallel_collectives(add, dims, layout, coords, parameters, widths, m
         # NOTE: the head reads the final norm's output whole: all-gathered in forward, reduce-scattered in backward.
         add("tp", t, "all_gather", gathered, calls=micro_batches)
         add("tp", t, "reduce_scatter", gathered, calls=micro_batches)
-        # NOTE: loss_parallel: the logits' maximum and sum of exponentials per token, and the loss.
-        add("tp", t, "all_reduce", 4 * tokens, calls=3 * micro_batches)
+        # NOTE: the loss of split logits: the largest logit per token, then its sum of exponentials and label's logit.
+        add("tp", t, "all_reduce", 4 * tokens, calls=micro_batches)
+        add("tp", t, "all_reduce", 8 * tokens, calls=micro_batches)
     # NOTE: the norms' gradients are Partial: all-reduced by clip_grad_norm_, and without FSDP once more by the fused
     # AdamW, which reads each gradient once. clip_grad_norm_ then all-reduces the stacked norms, one number each.
     stage_parameters = [p for p in parameters if on_this_stage(p, dims, layout, coords.pp)]
@@ -986,6 +995,7 @@ def print_estimate(estimate, bandwidths):
     rows = [("parameters", estimate["params_bytes"]), ("gradients", estimate["grads_bytes"]),
             ("optimizer state (AdamW)", estimate["optimizer_bytes"]),
             ("activations (saved for backward)", estimate["activations_bytes"]),
+            ("  of which alive at the peak", estimate["activations_at_peak_bytes"]),
             ("FSDP's gathered weights (2 layers + groups kept whole)", estimate["gathered_weights_bytes"]),
             ("full-size gradients at their peak (part of the transient)", estimate["full_size_grads_peak_bytes"]),
             (f"transient at the peak ({estimate['peak_phase']})", estimate["transient_bytes"]),

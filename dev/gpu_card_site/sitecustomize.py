@@ -13,6 +13,8 @@ CARD_SYNC_AUDIT=FILE      count the host-device synchronizations (torch.cuda.set
                           "where": {"file:line (train_llm.py:line)": count}}. syncs_before_step[k] counts those made
                           after step k-1's optimizer step and until step k's: the end of step k-1 (its logging, if it
                           was a logging step) and the whole of step k up to its optimizer step.
+CARD_COMPILE_BACKEND=aot_eager  the backend of the chapter's compile() calls (the card's CPU mode: inductor would
+                          compile C++ for minutes).
 
 Any sitecustomize this one hides on the path (the installation's own, or the tests' fault injection) runs first.
 """
@@ -104,5 +106,12 @@ def run_shadowed_sitecustomize():
 
 
 run_shadowed_sitecustomize()
+if os.environ.get("CARD_COMPILE_BACKEND") and sys.argv[0].endswith("train_llm.py"):
+    import functools
+
+    import torch
+
+    backend = os.environ["CARD_COMPILE_BACKEND"]
+    torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend=backend)
 if (os.environ.get("CARD_STOP_AFTER_STEP") or os.environ.get("CARD_SYNC_AUDIT")) and sys.argv[0].endswith("train_llm.py"):
     install()

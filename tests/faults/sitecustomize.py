@@ -8,6 +8,10 @@ FAULT_KILL_ON_CALL="torch.save:5"   SIGKILL this process inside the 5th call of 
 FAULT_KILL_AFTER_STEPS=3            SIGKILL this process after its 3rd optimizer step, only on rank FAULT_RANK
 FAULT_RANK=1                        (default 0), and only once: the file FAULT_ONCE_FILE is created on the way down,
 FAULT_ONCE_FILE=/tmp/x              so a restarted process trains on.
+
+Not a fault, but set from outside the same way:
+COMPILE_BACKEND=aot_eager           the backend of every nn.Module.compile() call (the chapters' --compile): dynamo
+                                    and AOT autograd without inductor's C++, seconds instead of minutes on a CPU.
 """
 
 import os
@@ -140,3 +144,10 @@ if os.environ.get("FAULT_STARVE_GLOO_THREADS"):
             os.sched_setscheduler(int(thread_id), os.SCHED_IDLE, os.sched_param(0))
 
     torch.distributed.init_process_group = init_then_starve
+
+if os.environ.get("COMPILE_BACKEND"):
+    import functools
+
+    import torch
+
+    torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend=os.environ["COMPILE_BACKEND"])
