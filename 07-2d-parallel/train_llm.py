@@ -435,10 +435,11 @@ def apply_activation_checkpointing(model):
 
 
 def compile_layers(model):
-    # NOTE: per layer: all layers share one graph, compiled once, and FSDP's hooks between them stay plain Python.
-    # layer.compile() compiles in place, where torch.compile(layer) would add _orig_mod. to every parameter name.
+    # NOTE: each layer's forward, inside its checkpoint: the layers share one graph, compiled once; FSDP's and TP's
+    # hooks around it stay plain Python (torch 2.13 loses the input's gradient through a compiled TP hook).
     for layer in model.model.layers.children():
-        layer.compile(fullgraph=True)
+        layer = getattr(layer, "_checkpoint_wrapped_module", layer)
+        layer.forward = torch.compile(layer.forward, fullgraph=True)
 
 
 @torch.no_grad()

@@ -439,16 +439,16 @@ def apply_activation_checkpointing(model):
 
 
 def compile_layers(model):
-    # NOTE: per layer: all layers share one graph, compiled once, and FSDP's hooks between them stay plain Python.
-    # layer.compile() compiles in place, where torch.compile(layer) would add _orig_mod. to every parameter name.
+    # NOTE: each layer's forward, inside its checkpoint: the layers share one graph, compiled once; FSDP's and TP's
+    # hooks around it stay plain Python (torch 2.13 loses the input's gradient through a compiled TP hook).
     # NOTE: the attention across the split sends and receives with c10d, which dynamo does not trace (a graph break):
     # with --cp > 1 it runs eager, and the layer's other modules compile.
     across_split = model.config._attn_implementation.startswith("context_parallel")
     for layer in model.model.layers.children():
-        inner = getattr(layer, "_checkpoint_wrapped_module", layer)
-        for module in [child for name, child in inner.named_children() if name != "self_attn"] if across_split \
+        layer = getattr(layer, "_checkpoint_wrapped_module", layer)
+        for module in [child for name, child in layer.named_children() if name != "self_attn"] if across_split \
                 else [layer]:
-            module.compile(fullgraph=True)
+            module.forward = torch.compile(module.forward, fullgraph=True)
 
 
 def get_device_mesh(device, world_size, cp_degree):

@@ -106,7 +106,7 @@ def main():
         LOGGER.info(f"no *.safetensors weights in {model_dir}: every parameter from the seed")
         init_weights(model, args.seed)
     LOGGER.info(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-    load_balancing = LoadBalancingLoss(model)
+    load_balancing = LoadBalancing(model, args.expert_bias_rate)
 
     # 2. The data: tokenized once, cut into sequences, cached on disk.
     with rank_zero_first():
@@ -171,6 +171,7 @@ def main():
             step_aux_loss += aux_loss.detach() / args.grad_accum
         grad_norm = clip_grad_norm(model.parameters(), args.max_grad_norm)
         optimizer.step()
+        load_balancing.update_biases()
         if step == first_step:
             log_memory_held(model, optimizer)
         lr_scheduler.step()
@@ -266,6 +267,8 @@ def get_parser():
     group.add_argument("--wandb-project", default="distributed-training-guide")
     group = parser.add_argument_group("parallelism")
     group.add_argument("--ep", type=int, default=1, help="expert-parallel degree: ranks that split the experts")
+    group.add_argument("--expert-bias-rate", type=float, default=1e-3,
+                       help="a selection bias's change per step toward balanced load (DeepSeek-V3's routers)")
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
@@ -435,15 +438,15 @@ def apply_activation_checkpointing(model):
 
 
 def compile_layers(model):
-    # NOTE: per layer: all layers share one graph, compiled once, and FSDP's hooks between them stay plain Python.
-    # layer.compile() compiles in place, where torch.compile(layer) would add _orig_mod. to every parameter name.
+    # NOTE: each layer's forward, inside its checkpoint: the layers share one graph, compiled once; FSDP's and TP's
+    # hooks around it stay plain Python (torch 2.13 loses the input's gradient through a compiled TP hook).
     # NOTE: a MoE block reads its all-to-all's split sizes on the host, which ends a graph: it runs eager, and the
     # other modules of its layer compile.
     for layer in model.model.layers.children():
-        inner = getattr(layer, "_checkpoint_wrapped_module", layer)
-        for module in [child for name, child in inner.named_children() if name != "mlp"] \
-                if hasattr(inner.mlp, "experts") else [layer]:
-            module.compile(fullgraph=True)
+        layer = getattr(layer, "_checkpoint_wrapped_module", layer)
+        for module in [child for name, child in layer.named_children() if name != "mlp"] \
+                if hasattr(layer.mlp, "experts") else [layer]:
+            module.forward = torch.compile(module.forward, fullgraph=True)
 
 
 def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
@@ -593,43 +596,58 @@ def expert_parallel_experts(experts, hidden_states, top_k_index, top_k_weights, 
     return weighted.view(-1, top_k, weighted.shape[1]).sum(1).to(hidden_states.dtype)
 
 
-class LoadBalancingLoss:
-    """transformers' load_balancing_loss_func of the global batch: every rank's tokens, all MoE layers' routers.
+class LoadBalancing:
+    """The experts' load balancing over the global batch (every rank's tokens), for every MoE layer's router.
 
-    Its loss is num_experts * sum(f * P), f the share of top-k choices of each expert and P its mean router
-    probability; f counts every rank's tokens, P this rank's: the mean over ranks of their losses is the global
-    batch's, and so is the mean of their gradients (f has none)."""
+    Softmax routers (Mixtral, Qwen): transformers' load-balancing loss, num_experts * sum(f * P), f each expert's
+    share of the top-k choices (every rank's tokens) and P its mean router probability (this rank's): the mean of the
+    ranks' losses is the global batch's, and so is the mean of their gradients (f has none). Routers with a selection
+    bias (DeepSeek-V3's e_score_correction_bias): no loss; after each optimizer step the bias moves toward balanced
+    load, up for the experts below the mean load and down for those above (auxiliary-loss-free balancing)."""
 
-    def __init__(self, model):
+    def __init__(self, model, bias_rate):
         self.routers = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "experts")]
-        self.coefficient = model.config.router_aux_loss_coef if self.routers and model.config.output_router_logits \
-            else 0.0
-        self.counts, self.probabilities, self.step_counts = [], [], 0
+        self.biased = [hasattr(router, "e_score_correction_bias") for router in self.routers]
+        self.coefficient = model.config.router_aux_loss_coef if self.routers and not any(self.biased) and \
+            model.config.output_router_logits else 0.0
+        self.bias_rate, self.step_counts, self.log_counts = bias_rate, 0, 0
+        # NOTE: a forward starts a micro-batch's record: activation checkpointing runs the routers again in backward.
+        model.register_forward_pre_hook(self.start)
         for router in self.routers:
             router.register_forward_hook(self.record)
 
+    def start(self, model, inputs):
+        self.counts, self.probabilities = [], []
+
     def record(self, router, inputs, output):
-        probabilities = torch.softmax(output[0].float(), dim=-1)
-        choices = probabilities.topk(router.top_k, dim=-1).indices.flatten().float()
-        self.counts.append(torch.histc(choices, bins=router.num_experts, min=0, max=router.num_experts))
-        self.probabilities.append(probabilities.mean(0))
+        router_logits, _, choices = output
+        self.counts.append(torch.histc(choices.flatten().float(), bins=router.num_experts, min=0, max=router.num_experts))
+        self.probabilities.append(torch.softmax(router_logits.float(), dim=-1).mean(0))
 
     def loss(self):
         if not self.routers:
             return torch.zeros(())
         counts, probabilities = torch.stack(self.counts), torch.stack(self.probabilities).mean(0)
-        self.counts, self.probabilities = [], []
         dist.all_reduce(counts)
-        self.step_counts = self.step_counts + counts
+        self.step_counts, self.log_counts = self.step_counts + counts, self.log_counts + counts
         fractions = counts.sum(0) * self.routers[0].top_k / counts.sum()
         return self.routers[0].num_experts * (fractions * probabilities).sum()
+
+    @torch.no_grad()
+    def update_biases(self):
+        """After an optimizer step: each biased router's bias moves by bias_rate toward the step's balanced load."""
+        for router, biased, load in zip(self.routers, self.biased, self.step_counts if self.routers else []):
+            if biased:
+                change = self.bias_rate * torch.sign(load.mean() - load)
+                router.e_score_correction_bias.add_(change - change.mean())
+        self.step_counts = 0
 
     def read_load(self):
         """Tokens per expert over their mean in each layer (every rank's, since the last read): max and min."""
         if not self.routers:
             return {}
-        load = self.step_counts / self.step_counts.mean(1, keepdim=True)
-        self.step_counts = 0
+        load = self.log_counts / self.log_counts.mean(1, keepdim=True)
+        self.log_counts = 0
         return dict(zip(["expert_load_max", "expert_load_min"], torch.stack([load.max(), load.min()]).tolist()))
 
 

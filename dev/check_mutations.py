@@ -41,9 +41,9 @@ MUTATIONS = {
         "[04 dp2]"),
     "05-discarded-compile": (
         "05-training-llama-405b/train_llm.py",
-        "        layer.compile(fullgraph=True)\n",
-        "        torch.compile(layer, fullgraph=True)\n",
-        "tests/test_05_training_llama_405b.py::test_compile_trains_like_eager"),
+        "        layer.forward = torch.compile(layer.forward, fullgraph=True)\n",
+        "        torch.compile(layer.forward, fullgraph=True)\n",
+        "tests/test_compile.py::test_compiled_checkpointed_layers_train_as_chapter_01_and_resume_exactly[05]"),
     "04-module-level-tf32": (
         "04-fully-sharded-data-parallel/train_llm.py",
         "\nLOGGER = ",

@@ -8,7 +8,8 @@ RUNS.json holds a list of argument lists; every rank runs the same list in the s
 own main(), as `python SCRIPT ARGS... RUN'S ARGS...` would run it (runpy, __name__ == "__main__"): the run's own
 arguments come last, so they override the common ones. After each one, every rank
 prints one line: `[rank R] run N: exit CODE` (0, or the SystemExit's code), then `[rank R] run N: error: ...` if the
-run stopped with a one-line error. A run that raises anything else ends the job, with its traceback.
+run stopped with a one-line error, and `[rank R] run N: graphs G, breaks B`: the graphs torch.compile's dynamo made
+and the breaks in them. A run that raises anything else ends the job, with its traceback.
 
 Each run's process group has a store of its own, as a process group cannot be made twice on the same keys: rank 0
 starts it before the run and hands its port to the others through torchrun's store, and every rank's chapter
@@ -30,6 +31,7 @@ import time
 
 def main():
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
 
     runs, script, common = json.loads(open(sys.argv[1]).read()), sys.argv[2], sys.argv[3:]
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -48,6 +50,7 @@ def main():
         if agent_store is not None:
             os.environ["MASTER_PORT"] = agent_store.get(f"many_runs/{number}").decode()
         sys.argv = [script, *common, *map(str, arguments)]
+        counters.clear()
         if check_buffers:
             check_buffers.start(number)
         code = 0
@@ -68,6 +71,8 @@ def main():
         line = f"[rank {rank}] run {number}: exit {0 if code is None else (code if isinstance(code, int) else 1)}\n"
         if isinstance(code, str):
             line += f"[rank {rank}] run {number}: {code}\n"
+        line += (f"[rank {rank}] run {number}: graphs {counters['stats']['unique_graphs']}, breaks "
+                 f"{sum(counters['graph_break'].values())}\n")
         # NOTE: one write: the ranks share torchrun's stdout.
         sys.stdout.write(line)
         sys.stdout.flush()

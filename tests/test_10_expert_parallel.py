@@ -18,9 +18,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, MixtralConfig
 
-from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, error_lines, grad_norm_difference,
-                     load_script, max_difference, read_losses, read_metrics, readme_experiment, run, script, torchrun,
-                     train, check_family_matrix)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, MANY_RUNS, NO_CLIPPING, REPO, TINY_MODEL, check_family_matrix,
+                     checkpoint_weights, error_lines, grad_norm_difference, load_script, max_difference, read_losses,
+                     read_metrics, readme_experiment, run, script, torchrun, train)
 from helpers import quick_cases
 from test_drift import LINEAGE, top_level_definitions
 
@@ -357,3 +357,43 @@ def test_mfu_counts_the_active_parameters_only():
 def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
     """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
     check_family_matrix("10", runs, env, family_models)
+
+
+def test_deepseek_v3s_selection_bias_moves_toward_balance_as_in_one_process_and_resumes(runs, env, family_models):
+    """DeepSeek-V3 (sigmoid scores, group-limited top-k, a selection bias, a shared expert, MLA attention) moves each
+    router's bias after every step, from the global batch's expert counts: at ep 2 and ep 2 x edp 2 as one process
+    does, losses and gradient norms; a run stopped after step 3 resumes with the bias it saved, exactly."""
+    family = "DeepSeek-V3 (MLA, shared expert)"
+    args = ["--seq-length", "32", "--max-steps", str(STEPS), "--wandb-mode", "disabled", "--expert-bias-rate", "0.01",
+            "-m", family_models[family], "-d", family_models["corpus"], *NO_CLIPPING]
+    _, one_process = runs.train("10", env, *args, "--batch-size", "4")
+    runs_file = runs.workdir / "deepseek-ep2.json"
+    runs_file.write_text(json.dumps([["-e", "deepseek-ep2"], ["-e", "deepseek-resumed", "--exit-after-steps", "3"],
+                                     ["-e", "deepseek-resumed"], ["-e", "deepseek-fixed-bias", "--expert-bias-rate", "0"]]))
+    runs.train("10", env, *args, "--ep", "2", "--batch-size", "2", nproc=2,
+               launcher=[*torchrun(2), MANY_RUNS, runs_file])
+    _, ep2xedp2 = runs.train("10", env, *args, "--ep", "2", "--batch-size", "1", nproc=4)
+    outputs = runs.workdir / "outputs"
+    for name, experiment in [("ep 2", outputs / "deepseek-ep2"), ("ep 2 x edp 2", ep2xedp2),
+                             ("ep 2, resumed after step 3", outputs / "deepseek-resumed")]:
+        losses = max_difference(read_losses(one_process), read_losses(experiment))
+        norms = grad_norm_difference(one_process, experiment, clipped=False)
+        print(f"\nDeepSeek-V3, {name}, vs one process: losses {losses:.1e}, gradient norms {norms:.1e}")
+        assert losses <= 1e-5 and norms <= GRAD_NORM_TOLERANCE
+    resumed, straight = read_metrics(outputs / "deepseek-resumed"), read_metrics(outputs / "deepseek-ep2")
+    assert [record["loss"] for record in resumed] == [record["loss"] for record in straight]
+    # The positive control: with the bias left as built the routing, and so the losses, differ from step 2 on.
+    fixed, moved = read_losses(outputs / "deepseek-fixed-bias"), [record["loss"] for record in straight]
+    print(f"the moved bias against a fixed one, the losses' differences: {[round(a - b, 6) for a, b in zip(moved, fixed)]}")
+    assert fixed[0] == moved[0] and all(a != b for a, b in zip(fixed[1:], moved[1:]))
+
+
+def test_the_selection_bias_moves_by_the_rate_toward_the_mean_load_and_sums_to_zero():
+    chapter = load_script("10")
+    router = torch.nn.Module()
+    router.register_buffer("e_score_correction_bias", torch.zeros(4))
+    balancing = types.SimpleNamespace(routers=[router], biased=[True], bias_rate=0.5,
+                                      step_counts=torch.tensor([[10.0, 2.0, 4.0, 4.0]]))
+    chapter.LoadBalancing.update_biases(balancing)
+    # The mean load is 5: expert 0 above it gets less, experts 1-3 below it more, the changes centered on 0.
+    assert router.e_score_correction_bias.tolist() == [-0.75, 0.25, 0.25, 0.25] and balancing.step_counts == 0

@@ -177,9 +177,9 @@ LINEAGE = {
     },
     ("04", "10"): {
         "main": "an (edp, ep) device mesh, the experts' forward registered with transformers, the load-balancing loss "
-                "of the global batch added to the loss (and logged with the expert load), and the gradient norm over "
-                "both meshes",
-        "get_parser": "the --ep option, and the tiny mixture-of-experts model as the default",
+                "of the global batch added to the loss (and logged with the expert load), the selection biases moved "
+                "after each step, the gradient norm over both meshes, and no refusal of output_router_logits",
+        "get_parser": "the --ep and --expert-bias-rate options, and the tiny mixture-of-experts model as the default",
         "parse_args": "--ep must be at least 1 too",
         "shard_model": "each MoE layer's experts split over ep and FSDP-sharded over edp, in a group of their own; "
                        "the rest sharded over the (edp, ep) mesh flattened; each layer prefetches the next's "
@@ -189,7 +189,7 @@ LINEAGE = {
         "get_device_mesh": "the (edp, ep) mesh, and a degree that cannot split the experts gets a one-line error",
         "experts_implementation": "the expert-parallel forward registered with transformers",
         "expert_parallel_experts": "the dispatch, the local experts and the combine",
-        "LoadBalancingLoss": "the load-balancing loss of the global batch, and the expert load",
+        "LoadBalancing": "the load-balancing loss of the global batch, DeepSeek-V3's bias update, the expert load",
         "clip_grad_norm": "the gradient norm over the experts' mesh and the rest's",
         "get_flops_per_token": "MFU counts the active parameters: top-k of each layer's experts",
         "log_metrics": "the log line shows the auxiliary loss and the expert load",

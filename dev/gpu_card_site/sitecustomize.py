@@ -112,6 +112,6 @@ if os.environ.get("CARD_COMPILE_BACKEND") and sys.argv[0].endswith("train_llm.py
     import torch
 
     backend = os.environ["CARD_COMPILE_BACKEND"]
-    torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend=backend)
+    torch.compile = functools.partial(torch.compile, backend=backend)
 if (os.environ.get("CARD_STOP_AFTER_STEP") or os.environ.get("CARD_SYNC_AUDIT")) and sys.argv[0].endswith("train_llm.py"):
     install()

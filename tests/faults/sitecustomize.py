@@ -10,8 +10,8 @@ FAULT_RANK=1                        (default 0), and only once: the file FAULT_O
 FAULT_ONCE_FILE=/tmp/x              so a restarted process trains on.
 
 Not a fault, but set from outside the same way:
-COMPILE_BACKEND=aot_eager           the backend of every nn.Module.compile() call (the chapters' --compile): dynamo
-                                    and AOT autograd without inductor's C++, seconds instead of minutes on a CPU.
+COMPILE_BACKEND=aot_eager           the backend of every torch.compile() call (the chapters' --compile): dynamo and
+                                    AOT autograd without inductor's C++, seconds instead of minutes on a CPU.
 """
 
 import os
@@ -150,4 +150,4 @@ if os.environ.get("COMPILE_BACKEND"):
 
     import torch
 
-    torch.nn.Module.compile = functools.partialmethod(torch.nn.Module.compile, backend=os.environ["COMPILE_BACKEND"])
+    torch.compile = functools.partial(torch.compile, backend=os.environ["COMPILE_BACKEND"])
