@@ -743,11 +743,16 @@ def family_folder_name(family):
 
 def write_family_models(folder):
     """Each family's model folder in folder: its config.json (FAMILY_COMMON and its own entries) and the bundled
-    tokenizer; and "corpus": the first 60 texts of the bundled corpus, enough for the matrix's 3 steps (each
-    family's tokenizer is another folder, so each tokenizes the corpus anew). Returns {family or "corpus": path}."""
+    tokenizer; "corpus": the first 60 texts of the bundled corpus, enough for the matrix's 3 steps (each family's
+    tokenizer is another folder, so each tokenizes the corpus anew); and "pretrained": the Llama family with weights
+    (transformers' own initialization, not the chapters' seeded one), as save_pretrained() writes them.
+    Returns {family, "corpus" or "pretrained": path}."""
     import shutil
 
-    folders = {"corpus": Path(folder) / "corpus.jsonl"}
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folders = {"corpus": Path(folder) / "corpus.jsonl", "pretrained": Path(folder) / "llama-pretrained"}
     folders["corpus"].parent.mkdir(parents=True, exist_ok=True)
     folders["corpus"].write_text("".join((TINY_CORPUS / "train.jsonl").read_text().splitlines(keepends=True)[:60]))
     for family, config in FAMILIES.items():
@@ -756,6 +761,12 @@ def write_family_models(folder):
         for name in ["tokenizer.json", "tokenizer_config.json"]:
             shutil.copy(TINY_MODEL / name, folders[family] / name)
         (folders[family] / "config.json").write_text(json.dumps({**FAMILY_COMMON, **config}, indent=1))
+    if not (folders["pretrained"] / "model.safetensors").exists():
+        torch.manual_seed(1)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folders["Llama"]), dtype=torch.float32)
+        model.save_pretrained(folders["pretrained"])
+        for name in ["tokenizer.json", "tokenizer_config.json"]:
+            shutil.copy(TINY_MODEL / name, folders["pretrained"] / name)
     return folders
 
 
@@ -767,8 +778,12 @@ def matrix_job(runs, env, chapter, family_models):
     nproc, flags = MATRIX_LAYOUTS[chapter]
     runs_file = runs.workdir / f"matrix-{chapter}.json"
     experiments = {family: f"matrix-{chapter}-{family_folder_name(family)}" for family in FAMILIES}
-    runs_file.write_text(json.dumps([["-m", str(family_models[family]), "-e", experiments[family]]
-                                     for family in FAMILIES]))
+    job = [["-m", str(family_models[family]), "-e", experiments[family]] for family in FAMILIES]
+    if chapter >= "04":
+        # NOTE: the pretrained Llama, one step; chapter 10 trains a dense model at --ep 1 (chapter 04's FSDP).
+        job.append(["-m", str(family_models["pretrained"]), "-e", f"matrix-{chapter}-pretrained", "--max-steps", "1",
+                    *(["--ep", "1"] if chapter == "10" else [])])
+    runs_file.write_text(json.dumps(job))
     flags = [*flags, "-d", family_models["corpus"]]
     launcher = [sys.executable] if nproc is None else torchrun(nproc)
     result, _ = runs.train(chapter, {**env, "MANY_RUNS_BUFFERS": "1"}, *MATRIX_ARGS, *flags, nproc=nproc,
@@ -781,6 +796,8 @@ def matrix_job(runs, env, chapter, family_models):
                          "error": next((line for _, line in lines if line.startswith("error: ")), None),
                          "buffers": [line for _, line in lines if line.startswith("buffers ")],
                          "metrics": read_metrics(metrics.parent) if metrics.exists() else None}
+    pretrained = runs.workdir / "outputs" / f"matrix-{chapter}-pretrained"
+    cells["pretrained"] = read_metrics(pretrained) if (pretrained / "metrics.jsonl").exists() else None
     return cells
 
 
@@ -790,7 +807,16 @@ def check_family_matrix(chapter, runs, env, family_models):
     nproc = MATRIX_LAYOUTS[chapter][0] or 1
     reference, cells = matrix_job(runs, env, "01", family_models), matrix_job(runs, env, chapter, family_models)
     problems = []
+    if chapter >= "04":
+        # The pretrained weights load into this chapter's sharding: its first loss is chapter 05's, not the seed's.
+        first, expected = cells.pop("pretrained"), matrix_job(runs, env, "05", family_models)["pretrained"]
+        seeded = reference["Llama"]["metrics"][0]["loss"]
+        if not first or abs(first[0]["loss"] - expected[0]["loss"]) > 1e-5 or abs(first[0]["loss"] - seeded) < 1e-3:
+            problems.append(f"pretrained: first loss {first and first[0]['loss']}, chapter 05's {expected[0]['loss']}, "
+                            f"the seed's {seeded}")
     for family, cell in cells.items():
+        if family == "pretrained":
+            continue
         refusal = FAMILY_REFUSALS.get((family, chapter))
         if refusal is not None:
             if cell["exit"] != {"exit 1"} or not (cell["error"] or "").startswith(f"error: {refusal}"):
