@@ -849,12 +849,12 @@ def family_matrix_table():
     """The family-by-chapter matrix in Markdown, between its markers: ✓ where the chapter trains the family as chapter
     01 does (the tests check it), else the word for the one line it stops with."""
     chapters = sorted(MATRIX_LAYOUTS)
-    rows = [f"| family | {' | '.join(chapters)} |", f"| --- |{' :---: |' * len(chapters)}"]
+    rows = [f"|family|{'|'.join(chapters)}|", f"|---|{':---:|' * len(chapters)}"]
     for family in FAMILIES:
         cells = []
         for chapter in chapters:
             refusal = FAMILY_REFUSALS.get((family, chapter))
             cells.append("✓" if refusal is None else next(word for start, word in REFUSAL_WORDS.items()
                                                           if refusal.startswith(start)))
-        rows.append(f"| {family} | {' | '.join(cells)} |")
+        rows.append(f"|{family}|{'|'.join(cells)}|")
     return "\n".join([MATRIX_BEGIN, "", *rows, "", MATRIX_END])
