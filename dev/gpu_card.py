@@ -570,6 +570,7 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
 
     # 2. Every chapter, compared with chapter 01.
     if "chapters" in parts:
+        compiled_rows = []
         for chapter in chapters:
             reference = None if chapter == REFERENCE_CHAPTER else REFERENCE_CHAPTER
             model, note = args.model, NOT_EXERCISED if nproc == 1 and chapter in PARALLEL_CHAPTERS else None
@@ -584,6 +585,15 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
             # NOTE: an untied copy has more FLOPs per token than the probe counted: its row gives its own MFU only.
             run.main_model = model == args.model
             plan.append(run)
+            if gpu and chapter[:2] >= "04":
+                # NOTE: as a real run trains: compiled and checkpointed, against the same chapter's eager row, after
+                # every chapter's own row (the card's time budget skips the last runs first).
+                compiled = training_run(f"{chapter}+compile+ac", chapter, ["--compile", "--activation-checkpointing"],
+                                        model=model, kind="option", reference=chapter, timeout=300, min_records=2,
+                                        note=note)
+                compiled.main_model = run.main_model
+                compiled_rows.append(compiled)
+        plan += compiled_rows
         if "10-expert-parallel" in chapters:
             # NOTE: the card's model is dense: chapter 10's own MoE path (grouped_mm, the all-to-alls, the global
             # load-balancing loss) runs on the tiny Qwen3-MoE, against chapter 01 on the same model.
