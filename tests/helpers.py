@@ -710,13 +710,13 @@ MATRIX_LAYOUTS = {
     "05": (2, ["--batch-size", "2", "--eval-fraction", "0"]),
     "06": (2, ["--batch-size", "4"]),
     "07": (2, ["--tp", "2", "--batch-size", "4"]),
-    "08": (2, ["--pp", "2", "--batch-size", "4"]),
+    "08": (2, ["--pp", "2", "--batch-size", "4", "--pp-microbatches", "2"]),
     "09": (2, ["--cp", "2", "--batch-size", "4"]),
     # NOTE: DeepSeek-V3's selection bias left as built, as chapter 01 leaves it (test_10 checks its update).
     "10": (2, ["--ep", "2", "--batch-size", "2", "--expert-bias-rate", "0"]),
     "11": (4, ["--tp", "2", "--pp", "2", "--batch-size", "4"]),
 }
-MATRIX_ARGS = ["--seq-length", "32", "--max-steps", "3", "--wandb-mode", "disabled"]
+MATRIX_ARGS = ["--seq-length", "32", "--max-steps", "2", "--wandb-mode", "disabled"]
 TIED, TENSOR_PARALLEL = ["Llama, tied head", "Gemma 3 (tied, 4 norms)"], ["06", "07", "11"]
 # (family, chapter) -> the start of the one line the chapter stops with; every other cell trains.
 FAMILY_REFUSALS = {
@@ -743,7 +743,7 @@ def family_folder_name(family):
 
 def write_family_models(folder):
     """Each family's model folder in folder: its config.json (FAMILY_COMMON and its own entries) and the bundled
-    tokenizer; "corpus": the first 60 texts of the bundled corpus, enough for the matrix's 3 steps (each family's
+    tokenizer; "corpus": the first 60 texts of the bundled corpus, enough for the matrix's 2 steps (each family's
     tokenizer is another folder, so each tokenizes the corpus anew); and "pretrained": the Llama family with weights
     (transformers' own initialization, not the chapters' seeded one), as save_pretrained() writes them.
     Returns {family, "corpus" or "pretrained": path}."""

@@ -791,7 +791,9 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
             own_grads = 0 if grads_exist_at_start or accumulated else group.grad_full_bytes
             end = live_below + own_grads + grads_done + flowing / 3
         phases[f"backward of layer {group.layer}"] = max(middle, end)
-        alive[f"backward of layer {group.layer}"] = live_below + (own if middle >= end else 0)
+        # NOTE: in a pipeline stage the other micro-batches keep what forward saved (as the dry run of 08's 70B does).
+        alive[f"backward of layer {group.layer}"] = saved if layout.pp > 1 else \
+            live_below + (own if middle >= end else 0)
         grads_done += 0 if grads_exist_at_start or accumulated else sharded_grad(group)
     # The end of backward: every gradient, and the one arriving at the embedding (whole under TP); with FSDP the
     # last group's unsharded gradients and its reduce-scatter buffers (chapter 04's root group, chapter 05's
