@@ -693,7 +693,6 @@ FAMILIES = {
     "Mixtral (MoE)": dict(model_type="mixtral", num_local_experts=4, **FAMILY_MOE),
     "Qwen2-MoE (shared expert)": dict(model_type="qwen2_moe", num_experts=4, moe_intermediate_size=32,
                                       shared_expert_intermediate_size=64, **FAMILY_MOE),
-    "Qwen3-MoE": dict(model_type="qwen3_moe", num_experts=4, moe_intermediate_size=32, **FAMILY_MOE),
     "DeepSeek-V3 (MLA, shared expert)": dict(model_type="deepseek_v3", n_routed_experts=4, n_shared_experts=1,
                                              moe_intermediate_size=32, first_k_dense_replace=1, n_group=2,
                                              topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
@@ -727,7 +726,7 @@ FAMILY_REFUSALS = {
     **{(family, chapter): f"tensor parallelism has no plan for {weight}"
        for chapter in TENSOR_PARALLEL for family, weight in [
            ("Phi-3 (fused projections)", "self_attn.qkv_proj.weight"), ("Mixtral (MoE)", "mlp.gate.weight"),
-           ("Qwen2-MoE (shared expert)", "mlp.gate.weight"), ("Qwen3-MoE", "mlp.experts.gate_up_proj"),
+           ("Qwen2-MoE (shared expert)", "mlp.gate.weight"),
            ("DeepSeek-V3 (MLA, shared expert)", "self_attn.q_a_proj.weight")]},
     **{("OLMo 2 (norms over all heads)", chapter): "self_attn.q_norm of Olmo2DecoderLayer normalizes all heads together"
        for chapter in TENSOR_PARALLEL},
@@ -743,7 +742,7 @@ def family_folder_name(family):
 
 def write_family_models(folder):
     """Each family's model folder in folder: its config.json (FAMILY_COMMON and its own entries) and the bundled
-    tokenizer; "corpus": the first 60 texts of the bundled corpus, enough for the matrix's 2 steps (each family's
+    tokenizer; "corpus": the first 15 texts of the bundled corpus, enough for the matrix's 2 steps (each family's
     tokenizer is another folder, so each tokenizes the corpus anew); and "pretrained": the Llama family with weights
     (transformers' own initialization, not the chapters' seeded one), as save_pretrained() writes them.
     Returns {family, "corpus" or "pretrained": path}."""
@@ -754,7 +753,7 @@ def write_family_models(folder):
 
     folders = {"corpus": Path(folder) / "corpus.jsonl", "pretrained": Path(folder) / "llama-pretrained"}
     folders["corpus"].parent.mkdir(parents=True, exist_ok=True)
-    folders["corpus"].write_text("".join((TINY_CORPUS / "train.jsonl").read_text().splitlines(keepends=True)[:60]))
+    folders["corpus"].write_text("".join((TINY_CORPUS / "train.jsonl").read_text().splitlines(keepends=True)[:15]))
     for family, config in FAMILIES.items():
         folders[family] = Path(folder) / family_folder_name(family)
         folders[family].mkdir(parents=True, exist_ok=True)
