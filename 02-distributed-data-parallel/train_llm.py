@@ -127,6 +127,7 @@ def main():
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     stop_signals, stop_group = catch_stop_signals(), dist.new_group(backend="gloo", timeout=timeout)
+    agreed_to_stop = lambda: False
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
         for micro_step in range(args.grad_accum):
@@ -146,10 +147,11 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        stop = torch.tensor(len(stop_signals))
-        dist.all_reduce(stop, group=stop_group)
-        if stop:
+        # NOTE: a step's vote is counted during the next: all ranks stop after the same step, and no host waits.
+        if agreed_to_stop():
             last_step = step
+        elif step < last_step:
+            agreed_to_stop = vote_to_stop(stop_signals, stop_group)
 
         if step % args.log_freq == 0 or step == last_step:
             # NOTE: the mean of the ranks' losses is the global batch's (gloo has no ReduceOp.AVG).
@@ -459,6 +461,13 @@ def catch_stop_signals(worker_id=None):
     for signal_number in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signal_number, lambda number, frame: stop_signals.append(number))
     return stop_signals
+
+
+def vote_to_stop(stop_signals, stop_group):
+    # NOTE: the sum of every rank's signals, started now and read a step later: by then it has arrived.
+    votes = torch.tensor(len(stop_signals))
+    vote = dist.all_reduce(votes, group=stop_group, async_op=True)
+    return lambda: vote.wait() and votes.item() > 0
 
 
 # 5. Experiment tracking

@@ -2,10 +2,6 @@
 pipeline stages (chapter 08), tensor (06) and context parallelism (09), and FSDP over the ranks left (04).
 
     torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
-    # 64 nodes of 8 GPUs (dp 2), with chapter 03's job script:
-    TRAIN_SCRIPT=11-4d-parallel/train_llm.py sbatch --nodes 64 --gpus-per-node 8 03-job-launchers/job.sbatch \\
-        --tp 8 --pp 8 --cp 4 --seq-length 8192 --batch-size 8 -m meta-llama/Llama-3.1-405B -d tatsu-lab/alpaca \\
-        -e llama-405b-4d
 """
 
 import argparse
@@ -173,6 +169,7 @@ def main():
     read_and_reset_memory_stats(device)
     tokens_since_log, time_of_last_log = 0, time.perf_counter()
     stop_signals, stop_group = catch_stop_signals(), dist.new_group(backend="gloo", timeout=timeout)
+    agreed_to_stop = lambda: False
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
         # NOTE: the step's --grad-accum batches in one schedule: the pipeline fills and drains once per step.
@@ -203,10 +200,11 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        stop = torch.tensor(len(stop_signals))
-        dist.all_reduce(stop, group=stop_group)
-        if stop:
+        # NOTE: a step's vote is counted during the next: all ranks stop after the same step, and no host waits.
+        if agreed_to_stop():
             last_step = step
+        elif step < last_step:
+            agreed_to_stop = vote_to_stop(stop_signals, stop_group)
 
         if step % args.log_freq == 0 or step == last_step:
             # NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.
@@ -1100,6 +1098,13 @@ def catch_stop_signals(worker_id=None):
     for signal_number in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signal_number, lambda number, frame: stop_signals.append(number))
     return stop_signals
+
+
+def vote_to_stop(stop_signals, stop_group):
+    # NOTE: the sum of every rank's signals, started now and read a step later: by then it has arrived.
+    votes = torch.tensor(len(stop_signals))
+    vote = dist.all_reduce(votes, group=stop_group, async_op=True)
+    return lambda: vote.wait() and votes.item() > 0
 
 
 # 5. Experiment tracking

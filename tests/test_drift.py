@@ -28,7 +28,7 @@ LINEAGE = {
     ("01", "02"): {
         "main": "one process per GPU: process group (with its timeout), DistributedDataParallel, ZeRO-1, "
                 "rank-zero-first preparation, the checkpoint rank 0 finds, the loss averaged over ranks, and wandb, "
-                "metrics and the progress bar on rank 0 only",
+                "metrics and the progress bar on rank 0 only, and the ranks' vote to stop",
         "get_parser": "the --zero1 option, and --dist-timeout, the process group's timeout",
         "parse_args": "--dist-timeout must be at least 1 second too",
         "setup_logging": "every log line says which rank wrote it",
@@ -45,6 +45,7 @@ LINEAGE = {
         "explain_load_errors": "every rank that fails prints the line: one line per rank, not a traceback per rank",
         "load_checkpoint": "without map_location every rank would load onto cuda:0, where rank 0 saved from",
         "get_rng_state": "with a GPU per process, the state saved is that process's GPU's",
+        "vote_to_stop": "every rank stops after the same step when any is signalled, without a host waiting in a step",
     },
     ("02", "03"): {
         "main": "the rank, world size and rendezvous come from whichever launcher started the process",

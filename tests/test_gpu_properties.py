@@ -4,6 +4,9 @@ matmul, per training step, counted by tools/measure_step.py (a TorchDispatchMode
 * A host synchronization (.item(), bool(tensor), nonzero, .tolist(), ...) makes the CPU wait for the GPU to finish
   everything queued: the GPU then idles while the CPU queues the next kernels. A step that neither logs nor follows
   a logging step must have none. Step 1 is excluded: it builds the optimizer's state and the pipeline's metadata.
+* A blocking host collective (a gloo all-reduce the script waits for, a barrier) makes every host wait for every
+  other host: no host runs ahead of its GPU, and the wait grows with the ranks. Steps 2-4 (they neither log nor
+  save) must have none.
 * Under --dtype bfloat16 every matmul of a step (forward and backward, SDPA included) must take bf16 inputs: an fp32
   matmul on a GPU runs on CUDA cores at a fifteenth of the tensor cores' speed, and holds twice the bytes.
 
@@ -103,6 +106,8 @@ def test_a_step_has_no_host_sync_only_bf16_matmuls_and_counts_each_token_once(en
         allowed = host_syncs_allowed(name)
         assert all(s == allowed for s in syncs.values()), (f"{name} rank {rank}: host syncs in steps 2-{STEPS}: "
                                                            f"{syncs}, allowed {allowed}")
+        waits = {step["step"]: step["blocking_host_collectives"] for step in steps[1:-1]}
+        assert not any(waits.values()), f"{name} rank {rank}: blocking host collectives in steps 2-{STEPS - 1}: {waits}"
         for step in steps:
             other = {key: calls for key, calls in step["matmuls"].items() if not_bf16(key)}
             assert step["matmuls"] and not other, f"{name} rank {rank} step {step['step']}: {other}"

@@ -32,6 +32,11 @@ Everything after the script's path goes to the script. Each rank writes OUT/rank
   device, and Tensor.tolist (which dispatches no operator: it is patched). FILE:LINE is the first Python frame
   outside torch (and this tool): where the chapter or transformers asked for the value. Syncs between steps (the
   logged loss) are in "host_syncs_between_steps".
+* "blocking_host_collectives": per step, {"FUNCTION at FILE:LINE": calls} for every collective the script itself
+  calls that makes its host wait for the other ranks' hosts: a torch.distributed call without async_op=True on a
+  group made with backend="gloo" (on a GPU, NCCL's collectives make the GPU wait, not the host), barrier() and the
+  *_object collectives on any group. A step's span here runs to the next step's first forward pass: what the
+  script does after its optimizer step (the stop agreement, the logged loss) counts in the step it follows.
 * "matmuls": per step, {"OPERATOR(input dtypes)": calls} for every mm, bmm, addmm, baddbmm, addbmm, linear,
   grouped mm (the experts of chapter 10) and scaled-dot-product-attention operator (forward and backward, every
   aten variant), with the dtypes of its tensor inputs: what precision each matrix multiplication runs in.
@@ -178,6 +183,7 @@ class StepMeter:
         self.patch_storage_resize(torch)
         self.patch_tolist(torch)
         self.patch_fsdp_post_backward()
+        self.patch_host_collectives()
         self.mode = make_dispatch_mode(self)
         self.mode.__enter__()
         atexit.register(self.write)
@@ -201,7 +207,8 @@ class StepMeter:
                 lambda: {"calls": 0, "buffer_bytes": 0, "sent_bytes": 0.0}),
                 "live_bytes_at_start": self.live_bytes, "peak_live_bytes": self.live_bytes,
                 "in_forward_backward": True, "host_syncs": defaultdict(int), "matmuls": defaultdict(int),
-                "peak_full_size_grad_bytes": 0, "started": time.perf_counter()}
+                "peak_full_size_grad_bytes": 0, "started": time.perf_counter(),
+                "blocking_host_collectives": defaultdict(int)}
 
     def on_optimizer_step_begin(self, optimizer, args, kwargs):
         if self.optimizer_depth == 0 and self.current is not None:
@@ -225,6 +232,7 @@ class StepMeter:
                                "host_syncs": dict(step["host_syncs"]), "matmuls": dict(step["matmuls"]),
                                "peak_full_size_grad_bytes": step["peak_full_size_grad_bytes"],
                                "seconds": time.perf_counter() - step["started"],
+                               "blocking_host_collectives": step["blocking_host_collectives"],
                                **({"calls": step["calls"]} if "calls" in step else {})})
             self.current = None
             self.write()
@@ -252,6 +260,52 @@ class StepMeter:
     def on_matmul(self, op_name, dtypes):
         if self.current is not None:
             self.current["matmuls"][f"{op_name}({', '.join(dtypes)})"] += 1
+
+    def on_blocking_host_collective(self, function_name, location):
+        if self.current is not None:
+            counts = self.current["blocking_host_collectives"]
+        elif self.steps:
+            counts = self.steps[-1]["blocking_host_collectives"]
+        else:
+            return
+        counts[f"{function_name} at {location}"] += 1
+
+    def patch_host_collectives(self):
+        """Wraps torch.distributed's collectives to note the blocking ones the script calls (see the docstring)."""
+        import inspect
+
+        import torch.distributed as dist
+
+        host_groups, meter = [], self
+        original_new_group = dist.new_group
+
+        def new_group(*args, **kwargs):
+            group = original_new_group(*args, **kwargs)
+            if inspect.signature(original_new_group).bind(*args, **kwargs).arguments.get("backend") == "gloo":
+                host_groups.append(group)
+            return group
+
+        def wrap(function):
+            signature = inspect.signature(function)
+
+            def collective(*args, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if (os.sep + "torch" + os.sep) not in caller:
+                    arguments = signature.bind(*args, **kwargs).arguments
+                    host = (function.__name__ == "barrier" or function.__name__.endswith("_object")
+                            or any(arguments.get("group") is group for group in host_groups))
+                    if host and not arguments.get("async_op", False):
+                        meter.on_blocking_host_collective(function.__name__, python_location())
+                return function(*args, **kwargs)
+
+            return collective
+
+        dist.new_group = new_group
+        for name in ["all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                     "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+                     "monitored_barrier", "all_gather_object", "broadcast_object_list", "gather_object",
+                     "scatter_object_list"]:
+            setattr(dist, name, wrap(getattr(dist, name)))
 
     def patch_tolist(self, torch):
         """Tensor.tolist() reads the values on the host without dispatching an operator."""
