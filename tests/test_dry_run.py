@@ -92,6 +92,13 @@ def test_tiny_pipeline_dry_run_of_every_stage_holds_what_a_real_gloo_run_holds(e
         assert buffers <= dry["held"]["Activation"] < buffers + 4 * 64 * 8 + 64, dry["held"]
 
 
+def test_tiny_expert_parallel_dry_run_holds_what_a_real_gloo_run_holds(env, tmp_path):
+    """Chapter 10 at --ep 2, in bf16 (grouped_mm's shape function takes no other): the tool answers the all-to-all's
+    split sizes (the host's one read of the step's routing) as balanced routing gives them."""
+    assert_dry_run_holds_what_a_real_gloo_run_holds("10", 2, env, tmp_path, "-m", str(REPO / "data/tiny-qwen3-moe"),
+                                                    "--ep", "2", "--dtype", "bfloat16")
+
+
 def test_8b_fsdp_at_64_ranks_agrees_with_the_estimate():
     """Llama 3.1 8B, FSDP over 64 ranks, bf16: every category within 10% of the estimator's."""
     dry = run_dry("04", ["-m", str(REPO / "data/configs/llama-3.1-8b"), "--dtype", "bfloat16"], 64, 8)

@@ -103,7 +103,7 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
 
     import torch
     import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
     from torch.distributed._tools import mod_tracker
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -244,12 +244,29 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
                 return metadata_inference(*args, **kwargs)
         return run
 
+    def balanced_experts(experts, hidden_states, top_k_index, top_k_weights, ep_group):
+        # NOTE: a fake tensor has no values for the host to read: chapter 10's split sizes are answered as balanced
+        # routing gives them, each rank's (token, expert) pairs dealt evenly over the ep ranks, and as many received.
+        pairs, ep_degree = top_k_index.numel(), dist.get_world_size(ep_group)
+        found["split_sizes"] = [[pairs // ep_degree + (r < pairs % ep_degree) for r in range(ep_degree)]] * 2
+        return expert_parallel_experts(experts, hidden_states, top_k_index, top_k_weights, ep_group)
+
+    def tolist(tensor):
+        if "split_sizes" in found:
+            return found.pop("split_sizes")
+        return original_tolist(tensor)
+
+    expert_parallel_experts, original_tolist = getattr(module, "expert_parallel_experts", None), FakeTensor.tolist
     patches = dict(
         get_distributed_environment=lambda timeout: ("dry run", rank, rank % nproc_per_node, world_size),
         rank_zero_first=contextlib.nullcontext, init_weights=init_weights,
         AutoTokenizer=types.SimpleNamespace(from_pretrained=lambda name: None),
         load_and_tokenize_dataset=load_and_tokenize_dataset, get_dataloader=get_dataloader,
         find_latest_checkpoint_on_rank_zero=lambda experiment_dir: None,
+        expert_parallel_experts=balanced_experts,
+        # NOTE: the model's constructor allocates each parameter on the host before it moves to meta (its buffers
+        # keep their values): DeepSeek-V3's 30 GB of experts per layer. A dry run needs no buffer's value.
+        parameters_on_meta=lambda: torch.device("meta"),
     )
     for name, value in patches.items():
         if hasattr(module, name):
@@ -268,6 +285,7 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         exit_stack.enter_context(patched(module.wandb, "init", lambda *a, **k: None))
         exit_stack.enter_context(patched(module.wandb, "finish", lambda *a, **k: None))
         exit_stack.enter_context(patched(torch.nn.Module, "to_empty", to_empty))
+        exit_stack.enter_context(patched(FakeTensor, "tolist", tolist))
         for name, value in [("_warmup_forward_vote", warmup_forward_vote), ("_send_meta", send_meta),
                             ("_warmup_backward_result", warmup_backward_result), ("_recv_meta", recv_meta)]:
             exit_stack.enter_context(patched(PipelineStage, name, value))
@@ -319,8 +337,10 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
     import estimate_memory
 
     parser = argparse.ArgumentParser(add_help=False)
-    for flag, default in [("-m", "data/tiny-llama"), ("--tp", 1), ("--pp", 1), ("--cp", 1), ("--batch-size", 8),
-                          ("--seq-length", 256), ("--grad-accum", 1), ("--dtype", "bfloat16"), ("--dp-replicate", 1)]:
+    default_model = "data/tiny-qwen3-moe" if chapter == "10" else "data/tiny-llama"
+    for flag, default in [("-m", default_model), ("--tp", 1), ("--pp", 1), ("--cp", 1), ("--ep", 1),
+                          ("--batch-size", 8), ("--seq-length", 256), ("--grad-accum", 1), ("--dtype", "bfloat16"),
+                          ("--dp-replicate", 1)]:
         parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--pp-microbatches", type=int)
     parser.add_argument("--pp-grad-reduce", default="microbatch")
@@ -343,6 +363,8 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
     for flag in ["activation_checkpointing", "cpu_offload", "split_root_group"]:
         if getattr(known, flag):
             argv.append(f"--{flag.replace('_', '-')}")
+    if chapter == "10":
+        argv += ["--ep", str(known.ep)]
     if chapter == "06":
         argv.remove("--fsdp")
     if chapter == "05":
