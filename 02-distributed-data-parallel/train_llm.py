@@ -330,6 +330,7 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        require(len(chunked), f"-d {args.dataset_name} has under --seq-length {args.seq_length} tokens; use more data")
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:

@@ -599,6 +599,13 @@ def load_and_tokenize_dataset(args, tokenizer):
         for name, raw_dataset in raw_splits.items():
             splits[name], summary = tokenize_split(raw_dataset, schema, tokenizer, args)
             summaries.append(f"{name}: {len(splits[name])} rows of {summary}")
+        require(len(splits["train"]), f"-d {args.dataset_name} has under --seq-length {args.seq_length} tokens to "
+                "train on; use more data")
+        require(len(splits.get("eval", [0])) or not args.eval_split, f"--eval-split {args.eval_split} has under "
+                f"--seq-length {args.seq_length} tokens; use another split, or none")
+        if len(splits.get("eval", [0])) == 0:
+            LOGGER.warning(f"--eval-fraction {args.eval_fraction} holds out under --seq-length tokens: no evaluation")
+            del splits["eval"]
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         datasets.DatasetDict(splits).save_to_disk(temporary_dir)
         (temporary_dir / "summary.txt").write_text("; ".join(summaries))

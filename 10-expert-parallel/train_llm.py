@@ -623,8 +623,13 @@ class LoadBalancing:
 
     def record(self, router, inputs, output):
         router_logits, _, choices = output
-        self.counts.append(torch.histc(choices.flatten().float(), bins=router.num_experts, min=0, max=router.num_experts))
-        self.probabilities.append(torch.softmax(router_logits.float(), dim=-1).mean(0))
+        counts = torch.histc(choices.flatten().float(), bins=router.num_experts, min=0, max=router.num_experts)
+        probabilities = torch.softmax(router_logits.float(), dim=-1).mean(0)
+        # NOTE: checkpointing's recompute must run the same operators, but keeps nothing: a recomputed probability
+        # would hold its layer's recomputed attention until the next forward (100 GB a rank at DeepSeek-V3's size).
+        if len(self.counts) < len(self.routers):
+            self.counts.append(counts)
+            self.probabilities.append(probabilities)
 
     def loss(self):
         if not self.routers:
@@ -681,6 +686,7 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        require(len(chunked), f"-d {args.dataset_name} has under --seq-length {args.seq_length} tokens; use more data")
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:

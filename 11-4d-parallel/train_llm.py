@@ -155,7 +155,6 @@ def main():
     model.train()
     # NOTE: each micro-batch's loss is its share of the step's global mean (chapter 09).
     loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1))
-    # NOTE: --pp 1: no schedule, the one stage runs each micro-batch itself.
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
         stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device,
         args.pp_grad_reduce == "microbatch") if args.pp > 1 else (None, True, True)
@@ -411,8 +410,8 @@ def rank_zero_first():
 
 
 def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
-    """torchtitan's order (parallelize_llama): tp, cp, activation checkpointing and compile on every layer, then the
-    pipeline split (this rank's layers) and FSDP over dp and cp on each stage. A degree of 1 wraps nothing."""
+    """torchtitan's order: tp, cp, activation checkpointing and compile on every layer, then the pipeline split and
+    FSDP over dp and cp on each stage. A degree of 1 wraps nothing."""
     if mesh["tp"].size() > 1:
         parallelize_model(model, mesh["tp"])
     if args.cp > 1:
@@ -927,6 +926,7 @@ def load_and_tokenize_dataset(args, tokenizer):
         chunked = raw_dataset.map(lambda batch: {"input_ids": cut_into_chunks(
             tokenizer(batch[args.text_column])["input_ids"], tokenizer.eos_token_id, args.seq_length)},
             batched=True, batch_size=10_000, remove_columns=raw_dataset.column_names, desc="tokenizing")
+        require(len(chunked), f"-d {args.dataset_name} has under --seq-length {args.seq_length} tokens; use more data")
         temporary_dir = cache_dir.with_name(f"{cache_dir.name}.tmp-{os.getpid()}")
         chunked.save_to_disk(temporary_dir)
         try:

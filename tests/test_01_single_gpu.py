@@ -235,6 +235,8 @@ BAD_INPUTS = {
                                                  "--seq-length 64 exceeds the model's sliding window 32"),
     "missing text column": (lambda tmp: ["--text-column", "content"], "no text column 'content'"),
     "empty file": (lambda tmp: ["-d", str(write(tmp / "empty.jsonl", ""))], "(it holds no data)"),
+    "fewer tokens than a sequence": (lambda tmp: ["-d", str(write(tmp / "one.txt", "To be, or not to be.\n"))],
+                                     "has under --seq-length 64 tokens; use more data"),
     "folder without data files": (lambda tmp: ["-d", str(write(tmp / "notes" / "notes.md", "# notes").parent)],
                                   "pass a hub name, or .jsonl"),
     "another format than its extension": (lambda tmp: ["-d", str(write(tmp / "data.jsonl", "text\nhello\n"))],

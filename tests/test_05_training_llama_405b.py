@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from helpers import (CHAPTERS, COUNTING_RUN, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, PLAIN_TEXT, REPO, TINY_CHAT,
-                     TINY_MODEL, checkpoint_weights, counted, error_line, grad_norm_difference, load_script,
-                     logged_parameter_count, max_difference, model_without_chat_template, read_losses, read_metrics,
-                     run, script, torchrun, train, check_family_matrix)
+                     TINY_CORPUS, TINY_MODEL, checkpoint_weights, counted, error_line, grad_norm_difference,
+                     load_script, logged_parameter_count, max_difference, model_without_chat_template, read_losses,
+                     read_metrics, run, script, torchrun, train, check_family_matrix)
 
 CHAPTER = REPO / CHAPTERS["05"]
 CONVERT = REPO / CHAPTERS["04"] / "convert_to_hf.py"
@@ -657,6 +657,17 @@ def test_fine_tuning_data_it_cannot_use_gets_a_one_line_error(env, tmp_path, cas
     assert result.returncode == 1
     assert error_line(result) == expected.replace("{tmp_path}", str(tmp_path)), result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_a_text_too_small_to_hold_out_a_sequence_trains_without_evaluation_and_says_so(env, tmp_path):
+    """40 short lines: --eval-fraction's 2 of them make no sequence of --seq-length tokens (datasets once saved that
+    empty split as no files, and load_from_disk failed with an IndexError)."""
+    texts = [json.loads(line)["text"][:60] for line in (TINY_CORPUS / "train.jsonl").read_text().splitlines()[:40]]
+    (tmp_path / "small.txt").write_text("".join(text.replace("\n", " ") + "\n" for text in texts))
+    result, experiment = train("05", env, tmp_path, "-d", tmp_path / "small.txt", "--max-steps", "2",
+                               "--batch-size", "1")
+    assert "WARNING --eval-fraction 0.05 holds out under --seq-length tokens: no evaluation" in result.stdout
+    assert [record["step"] for record in read_metrics(experiment)] == [1, 2]
 
 
 def test_the_readme_s_chat_command_answers_from_the_fine_tuned_checkpoint(runs, env, tmp_path):

@@ -397,3 +397,17 @@ def test_the_selection_bias_moves_by_the_rate_toward_the_mean_load_and_sums_to_z
     chapter.LoadBalancing.update_biases(balancing)
     # The mean load is 5: expert 0 above it gets less, experts 1-3 below it more, the changes centered on 0.
     assert router.e_score_correction_bias.tolist() == [-0.75, 0.25, 0.25, 0.25] and balancing.step_counts == 0
+
+
+def test_a_checkpointed_layer_s_recomputed_router_keeps_nothing_alive():
+    """Activation checkpointing runs each router again in backward: its hook must record the forward's counts and
+    probabilities only, or each recomputed probability keeps its layer's recomputed graph (its attention's saved
+    tensors) alive until the next step's forward: 10 GB per MoE layer in a DeepSeek-V3 671B dry run."""
+    chapter = load_script("10")
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(MOE_MODEL))
+    chapter.apply_activation_checkpointing(model)
+    balancing = chapter.LoadBalancing(model, 0.0)
+    input_ids = torch.randint(0, model.config.vocab_size, (2, 32))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    assert len(balancing.counts) == len(balancing.probabilities) == len(balancing.routers) > 0
+    assert all(probabilities.grad_fn is not None for probabilities in balancing.probabilities), "the forward's"
