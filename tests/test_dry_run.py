@@ -92,11 +92,15 @@ def test_tiny_pipeline_dry_run_of_every_stage_holds_what_a_real_gloo_run_holds(e
         assert buffers <= dry["held"]["Activation"] < buffers + 4 * 64 * 8 + 64, dry["held"]
 
 
-def test_tiny_expert_parallel_dry_run_holds_what_a_real_gloo_run_holds(env, tmp_path):
-    """Chapter 10 at --ep 2, in bf16 (grouped_mm's shape function takes no other): the tool answers the all-to-all's
-    split sizes (the host's one read of the step's routing) as balanced routing gives them."""
-    assert_dry_run_holds_what_a_real_gloo_run_holds("10", 2, env, tmp_path, "-m", str(REPO / "data/tiny-qwen3-moe"),
-                                                    "--ep", "2", "--dtype", "bfloat16")
+def test_a_tiny_expert_parallel_dry_run_agrees_with_the_estimate():
+    """Chapter 10 at ep 2 x edp 4, in bf16 (grouped_mm's shape function takes no other): the tool answers the
+    all-to-all's split sizes (the host's one read of the step's routing) as balanced routing gives them. The state to
+    the byte, the peak within 15% (a real gloo run's routing is not balanced; the estimate assumes it is)."""
+    dry = run_dry("10", ["-m", str(REPO / "data/tiny-qwen3-moe"), "--ep", "2", "--dtype", "bfloat16"], 8)
+    rows = {row: (value, estimated) for row, value, estimated in dry_run.compare(dry)}
+    for row in ["parameters", "gradients", "optimizer state"]:
+        assert rows[row][0] == rows[row][1], (row, rows[row])
+    assert abs(rows["peak"][0] / rows["peak"][1] - 1) < 0.15, rows["peak"]
 
 
 def test_8b_fsdp_at_64_ranks_agrees_with_the_estimate():
