@@ -6,6 +6,7 @@ its workers in sessions of their own, so a job is stopped with SIGTERM to torchr
 then whatever still carries the test's marker is killed.
 """
 
+import json
 import os
 import re
 import signal
@@ -38,12 +39,14 @@ SHAPE_LOGS = ("torchrun --standalone --nproc-per-node 2 --log-dir outputs/logs -
               "diagnosing-errors/broken/shape_mismatch.py")
 SHAPE_DETAIL = ("TORCH_DISTRIBUTED_DEBUG=DETAIL torchrun --standalone --nproc-per-node 2 "
                 "diagnosing-errors/broken/shape_mismatch.py")
+BANDWIDTH = ("torchrun --standalone --nproc-per-node 2 diagnosing-errors/tools/collective_bandwidth.py --max-bytes 8K "
+             "--iters 2")
 NAN = "torchrun --standalone --nproc-per-node 2 diagnosing-errors/broken/nan_midway.py"
 NAN_WATCH = ("torchrun --standalone --nproc-per-node 2 diagnosing-errors/tools/nan_watch.py "
              "diagnosing-errors/broken/nan_midway.py")
 DOWNLOADS = "torchrun --standalone --nproc-per-node 2 diagnosing-errors/broken/everyone_downloads.py"
 TESTED = {PREFLIGHT, PREFLIGHT_ALONE, EXTRA, CONDITIONAL, DUMP, EXTRA_FR, FRTRACE, SHAPE_LOGS, SHAPE_DETAIL,
-          NAN, NAN_WATCH, DOWNLOADS, DOWNLOADS + " --fix"}
+          NAN, NAN_WATCH, DOWNLOADS, DOWNLOADS + " --fix", BANDWIDTH}
 
 # Stand-ins on PATH: ssh runs the command here as host $1 ("down" is unreachable); nvidia-smi reports 4 GPUs,
 # with GPU 2 of node-b idle and hot; scontrol expands any node list to localhost,node2.
@@ -199,6 +202,23 @@ def test_preflight_passes_on_a_healthy_two_process_job(scratch, env):
     assert job.returncode == 0, job.output
     assert len(re.findall(r"^preflight: \S+  ranks 0-1  2x cpu  torch ", job.output, re.M)) == 1, job.output
     assert "PREFLIGHT OK: 2 rank(s) on 1 host(s), gloo; all-reduce of 4 MB correct" in job.output
+
+
+def test_collective_bandwidth_prints_nccl_tests_bus_bandwidth_for_every_collective(scratch, env):
+    """The README's command, then --json: every collective at 1, 2, 4 and 8 KB; algorithm bandwidth is bytes / time,
+    bus bandwidth nccl-tests' factor of it at 2 ranks (all_reduce 2(n-1)/n = 1, the gathers and all_to_all
+    (n-1)/n = 1/2, send/recv 1)."""
+    job = run(BANDWIDTH, env, scratch)
+    assert job.returncode == 0 and re.search(r"^all_to_all +8,192 ", job.output, re.M), job.output
+    job = run(BANDWIDTH + " --json --ops all_reduce all_gather reduce_scatter all_to_all send_recv", env, scratch)
+    assert job.returncode == 0, job.output
+    rows = json.loads(job.output[job.output.index("[\n"):job.output.rindex("]") + 1])
+    factors = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5, "all_to_all": 0.5, "send_recv": 1.0}
+    assert [(row["op"], row["bytes"]) for row in rows] == [(op, size) for op in factors for size in (1024, 2048, 4096,
+                                                                                                    8192)]
+    for row in rows:
+        assert row["algbw_gbps"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9), row
+        assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * factors[row["op"]]), row
 
 
 def test_preflight_fails_clearly_when_a_rank_cannot_join(scratch, env):
