@@ -1256,6 +1256,8 @@ def table_row(run, data):
     options = " ".join(run["options"]) or ("(seeded weights)" if "+pretrained" in run["name"] else "")
     if run["name"].endswith("+pretrained"):
         options = "-m seeded-weights folder"
+    if run["name"].endswith("+moe"):
+        options = f"-m data/tiny-qwen3-moe {options}"
     if run["kind"] == "chapter" and run.get("note"):
         options = f"({run['note']})"
     if run["status"] not in ("ok",) and not run.get("tokens_per_second"):
