@@ -93,7 +93,7 @@ def main():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length, args.attn_implementation),
             dtype=torch.float32)
-    # NOTE: compile wraps the checkpoint, fully_shard both: no collective is compiled or recomputed.
+    # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: no collective is compiled or recomputed.
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if args.compile:

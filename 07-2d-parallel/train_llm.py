@@ -97,7 +97,7 @@ def main():
     # placed on both. A 2D dp mesh (HSDP) shards within each replica and all-reduces across them. --tp 1: plain FSDP.
     if tp_degree > 1:
         parallelize_model(model, mesh["tp"])
-    # NOTE: compile wraps the checkpoint, fully_shard both: no collective is compiled or recomputed.
+    # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: no collective is compiled or recomputed.
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if args.compile:

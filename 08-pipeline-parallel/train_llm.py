@@ -99,7 +99,7 @@ def main():
     # NOTE: counted on the whole model, before it is cut: every token goes through every stage once.
     num_params = sum(p.numel() for p in model.parameters())
     flops_per_token = get_flops_per_token(model, config, args.seq_length)
-    # NOTE: compile wraps the checkpoint, fully_shard both: no collective is compiled or recomputed.
+    # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: no collective is compiled or recomputed.
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if args.compile:

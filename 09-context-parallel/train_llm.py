@@ -95,7 +95,7 @@ def main():
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attn_implementation, dtype=torch.float32)
-    # NOTE: compile wraps the checkpoint, fully_shard both: no collective is compiled or recomputed.
+    # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: no collective is compiled or recomputed.
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if args.compile:

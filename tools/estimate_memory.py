@@ -495,6 +495,7 @@ def estimate_step(config, layout):
                     "per_rank": dims.experts // (layout.ep or 1)},
         "layout": asdict(layout),
         "world_size": layout.world_size,
+        "pipeline_bubble": pipeline_bubble(layout.pp, layout.grad_accum),
         "params_bytes": state["params_bytes"],
         "grads_bytes": state["grads_bytes"],
         "optimizer_bytes": state["optimizer_bytes"],
@@ -1009,11 +1010,26 @@ def print_estimate(estimate, bandwidths):
     for name, value in rows:
         print(f"  {name:58s} {format_bytes(value):>12s}")
     print("  (transient: gathered weights, unsharded gradients and the loss's gradients at the step's peak)")
+    if estimate["pipeline_bubble"]:
+        shares = ", ".join(f"{name} {share:.1%}" for name, share in estimate["pipeline_bubble"].items())
+        print(f"pipeline bubble, the share of a step each stage idles ({layout['grad_accum']} micro-batches): {shares}")
     print(f"communication per step, sent by this GPU: {format_bytes(estimate['comm_bytes_per_step'])}")
     for group_name, group in estimate["comm_by_group"].items():
         times = ", ".join(f"{group['sent_bytes'] / (gbs * 1e9) * 1e3:,.1f} ms at {gbs:g} GB/s" for gbs in bandwidths)
         kinds = ", ".join(f"{kind} {format_bytes(c['sent_bytes'])}" for kind, c in group["collectives"].items())
         print(f"  {group_name} ({group['group_size']} GPUs): {format_bytes(group['sent_bytes'])} ({kinds}); {times}")
+
+
+def pipeline_bubble(stages, micro_batches):
+    """The share of a step each stage idles, {chapter 08's --pp-schedule: share}, with p stages on p ranks and m
+    micro-batches a step: (p - 1) / (m + p - 1) for GPipe and 1F1B; interleaved 1F1B with v stages per rank cuts
+    each stage's work v times finer, (p - 1) / (v m + p - 1), here at its default v = 2. Empty without a pipeline."""
+    if stages == 1:
+        return {}
+    bubble = {"gpipe": (stages - 1) / (micro_batches + stages - 1)}
+    bubble["1f1b"] = bubble["gpipe"]
+    bubble["interleaved-1f1b"] = (stages - 1) / (2 * micro_batches + stages - 1)
+    return bubble
 
 
 def describe_layout(layout):
