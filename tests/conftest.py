@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import helpers
+import machine_speed
 from helpers import (BACKGROUND_RUNS, REPO, TINY_MODEL, FakeFlashAttention, SharedBackgroundRun, SharedRuns,
                      in_background, locked, processes_with_marker, script, write_family_models)
 
@@ -63,6 +65,15 @@ def sample_cpu(period_s=2.0):
 
 if WORKER is None:
     threading.Thread(target=sample_cpu, daemon=True).start()
+
+
+def pytest_configure(config):
+    """How much slower than the machine that timed the suite this one runs (machine_speed.py), measured before the
+    workers start, who read it from the environment (helpers.SLOWDOWN)."""
+    if WORKER is None:
+        TIMES["slowdown"] = [machine_speed.slowdown()]
+        os.environ["TESTS_SLOWDOWN"] = f"{TIMES['slowdown'][0]:.3f}"
+        helpers.SLOWDOWN = TIMES["slowdown"][0]
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -127,7 +138,8 @@ def the_whole_suite_ran(session):
 
 def pytest_sessionfinish(session, exitstatus):
     """After a run of the whole suite: each file's time into tests/times.json (tests/time_table.py turns it into
-    the table of tests/README.md), and a failure if the suite took longer than SUITE_BUDGET_S."""
+    the table of tests/README.md), and a failure if the suite took longer than SUITE_BUDGET_S, scaled by how much
+    slower than the machine that timed it this one ran (the mean of machine_speed.py's slowdown at start and end)."""
     times = TIMES
     basetemp = session.config._tmp_path_factory.getbasetemp()
     if WORKER is not None:
@@ -135,6 +147,8 @@ def pytest_sessionfinish(session, exitstatus):
     if WORKER is not None or not the_whole_suite_ran(session):
         return
     total = time.monotonic() - times["started"]
+    times["slowdown"].append(machine_speed.slowdown())
+    slowdown = sum(times["slowdown"]) / len(times["slowdown"])
     files = {}
     for nodeid, seconds in times["tests"].items():
         files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
@@ -144,6 +158,7 @@ def pytest_sessionfinish(session, exitstatus):
     idle = (samples[-1][1] - samples[0][1]) / max(1, samples[-1][2] - samples[0][2]) if len(samples) > 1 else None
     TIMES_FILE.write_text(json.dumps({
         "total_s": round(total, 1), "tests": len(times["tests"]), "budget_s": SUITE_BUDGET_S,
+        "slowdown": [round(value, 2) for value in times["slowdown"]],
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "warm_start": os.environ.get("WARM_START") != "0",
         "workers": getattr(session.config.option, "numprocesses", None) or 1,
         "cpu_idle_share": None if idle is None else round(idle, 3),
@@ -153,8 +168,8 @@ def pytest_sessionfinish(session, exitstatus):
     # NOTE: not committed: which worker ran what when, and the cores' idle time, to find where a run waits.
     TIMELINE_FILE.write_text(json.dumps({"started": time.time() - total, "tests": times["timeline"],
                                          "cpu": samples}) + "\n")
-    if total > SUITE_BUDGET_S:
-        times["over_budget"] = total
+    if total > SUITE_BUDGET_S * slowdown:
+        times["over_budget"] = total, slowdown
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -178,11 +193,12 @@ def cpu_seconds(basetemp):
 
 
 def pytest_terminal_summary(terminalreporter):
-    total = TIMES.get("over_budget")
-    if total is not None:
+    if "over_budget" in TIMES:
+        total, slowdown = TIMES["over_budget"]
         terminalreporter.write_line(
             f"FAILED: the whole suite took {total:.0f} s, over its budget of {SUITE_BUDGET_S} s (tests/conftest.py's "
-            f"SUITE_BUDGET_S); tests/times.json has each file's time", red=True, bold=True)
+            f"SUITE_BUDGET_S) x {slowdown:.2f} (this machine's slowdown, machine_speed.py); tests/times.json has each "
+            f"file's time", red=True, bold=True)
 
 
 @pytest.fixture(scope="session")

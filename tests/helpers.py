@@ -35,6 +35,9 @@ FAULTS = REPO / "tests" / "faults"
 COUNTING_RUN = REPO / "tests" / "counting_run.py"
 MANY_RUNS = REPO / "tests" / "many_runs.py"
 
+# How much slower than the machine that timed the suite this one runs (at least 1; conftest.py, machine_speed.py).
+SLOWDOWN = float(os.environ.get("TESTS_SLOWDOWN", "1"))
+
 # Small and fast: a 10-step run takes a few seconds on one CPU core.
 FAST_ARGS = ["--seq-length", "64", "--batch-size", "4", "--log-freq", "1", "--ckpt-freq", "1000",
              "--warmup-steps", "2", "--num-workers", "0"]

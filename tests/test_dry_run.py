@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from helpers import REPO, TINY_MODEL, in_background, run, torchrun, train
+from helpers import REPO, SLOWDOWN, TINY_MODEL, in_background, run, torchrun, train
 
 sys.path.insert(0, str(REPO / "tools"))
 import dry_run  # noqa: E402
@@ -109,7 +109,7 @@ def test_8b_fsdp_at_64_ranks_agrees_with_the_estimate():
     for row, value, estimated in dry_run.compare(dry):
         assert abs(value - estimated) <= 0.10 * estimated, (row, value, estimated)
     # NOTE: 51 s in this process on the shared 2-core test machine (63 s as a command, with its imports).
-    assert dry["seconds"] < 60, dry["seconds"]
+    assert dry["seconds"] < 60 * SLOWDOWN, (dry["seconds"], SLOWDOWN)
 
 
 def test_8b_2d_parallel_at_64_ranks_agrees_with_the_estimate(background_dry_run):
@@ -120,7 +120,7 @@ def test_8b_2d_parallel_at_64_ranks_agrees_with_the_estimate(background_dry_run)
     for row, value, estimated in dry_run.compare(dry):
         assert abs(value - estimated) <= 0.10 * estimated, (row, value, estimated)
     # NOTE: CPU time: the shared 2-core test machine can stretch the wall-clock time several times over.
-    assert dry["cpu_seconds"] < 60, dry["cpu_seconds"]
+    assert dry["cpu_seconds"] < 60 * SLOWDOWN, (dry["cpu_seconds"], SLOWDOWN)
 
 
 def test_70b_pipeline_of_8_stages_at_64_ranks_agrees_with_the_estimate(background_dry_run):
@@ -131,7 +131,7 @@ def test_70b_pipeline_of_8_stages_at_64_ranks_agrees_with_the_estimate(backgroun
     assert (dry["chapter"], dry["world_size"], dry["seq_length"]) == ("08-pipeline-parallel", 64, 1024)
     for row, value, estimated in dry_run.compare(dry):
         assert abs(value - estimated) <= 0.10 * estimated, (row, value, estimated)
-    assert dry["cpu_seconds"] < 60, dry["cpu_seconds"]
+    assert dry["cpu_seconds"] < 60 * SLOWDOWN, (dry["cpu_seconds"], SLOWDOWN)
 
 
 def test_8b_context_parallel_at_64_ranks_holds_the_estimate_and_peaks_near_it(background_dry_run):
@@ -144,7 +144,7 @@ def test_8b_context_parallel_at_64_ranks_holds_the_estimate_and_peaks_near_it(ba
     for row in ["parameters", "gradients", "optimizer state"]:
         assert rows[row][0] == rows[row][1], (row, rows[row])
     assert abs(rows["peak"][0] / rows["peak"][1] - 1) < 0.10, rows["peak"]
-    assert dry["cpu_seconds"] < 60, dry["cpu_seconds"]
+    assert dry["cpu_seconds"] < 60 * SLOWDOWN, (dry["cpu_seconds"], SLOWDOWN)
 
 
 def test_a_layout_the_chapter_rejects_ends_with_its_one_line_error():
