@@ -33,14 +33,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "train_llm.py"
 FIGURE = Path(__file__).resolve().parent / "pipeline-schedules.png"
-COLORS = {"forward": "#4c72b0", "loss": "#8172b2", "backward": "#dd8452", "reduce": "#55a868"}
+COLORS = {"forward": "#4c72b0", "loss": "#8172b2", "backward": "#dd8452", "weight": "#c44e52", "reduce": "#55a868"}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (processes)")
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved-1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb"])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step, cut into the micro-batches")
     parser.add_argument("--seq-length", type=int, default=64)
@@ -78,7 +78,7 @@ def measure(schedule, microbatches, args, scratch):
     shutil.rmtree(scratch / experiment, ignore_errors=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.pp),
                __file__, "--record", str(SCRIPT), "--pp", str(args.pp), "--pp-schedule", schedule,
-               "--pp-microbatches", str(microbatches),
+               "--pp-microbatches", str(microbatches), *(["--pp-grad-reduce", "step"] if "zb" in schedule else []),
                "--batch-size", str(args.batch_size), "--seq-length", str(args.seq_length),
                "--max-steps", str(args.steps), "--log-freq", "1", "--ckpt-freq", "1000", "--num-workers", "0",
                "--wandb-mode", "disabled", "--save-dir", str(scratch), "-e", experiment]
@@ -112,13 +112,15 @@ def measure(schedule, microbatches, args, scratch):
     return {"stages": stages, "timeline": timeline}
 
 
-def bubble_formula(pp, microbatches, stages_per_rank):
-    """The idle share of each stage in a balanced pipeline: (p - 1) / (v m + p - 1), v stages per rank."""
-    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+def bubble_formula(pp, microbatches, stages_per_rank, schedule):
+    """The idle share of each stage in a balanced pipeline: (p - 1) / (v m + p - 1), v stages per rank; zero
+    bubble fills all but a third of it with weight gradients, (p - 1) / (3 v m + p - 1) (its paper's ZB-H1, with a
+    forward, an input-gradient and a weight-gradient pass taking equal time)."""
+    return (pp - 1) / ((3 if "zb" in schedule else 1) * stages_per_rank * microbatches + pp - 1)
 
 
 def print_table(results, pp):
-    print("| schedule | m | formula (p-1)/(vm+p-1) | " + " | ".join(
+    print("| schedule | m | formula (p-1)/(vm+p-1), zero bubble (p-1)/(3vm+p-1) | " + " | ".join(
         f"rank {rank}: busy ms, idle ms, idle share" for rank in range(pp)) + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in range(pp)) + " |")
     for (schedule, microbatches), result in results.items():
@@ -128,7 +130,7 @@ def print_table(results, pp):
         stages_per_rank = len(result["stages"][0]["stages"])
         cells = [f"{stats['busy_ms']:.0f}, {stats['idle_ms']:.0f}, **{stats['idle_fraction']:.0%}**"
                  for stats in result["stages"].values()]
-        print(f"| {schedule} | {microbatches} | {bubble_formula(pp, microbatches, stages_per_rank):.0%} | "
+        print(f"| {schedule} | {microbatches} | {bubble_formula(pp, microbatches, stages_per_rank, schedule):.0%} | "
               + " | ".join(cells) + " |")
     print("\n| schedule | m | " + " | ".join(f"rank {rank}: micro-batches in flight, MB held" for rank in range(pp))
           + " |")
@@ -158,7 +160,7 @@ def draw_timelines(timelines, microbatches, path):
             for kind, stage, microbatch, start, end in events:
                 axis.broken_barh([(start, end - start)], (pp_rank - 0.4, 0.8), facecolors=COLORS[kind],
                                  edgecolors="white", linewidth=0.5)
-                if kind in ("forward", "backward"):
+                if kind in ("forward", "backward", "weight"):
                     label = f"{microbatch}" if not several_stages else f"{microbatch}\n(s{stage})"
                     axis.text((start + end) / 2, pp_rank, label, ha="center", va="center", fontsize=7, color="white")
         axis.set_yticks(list(timeline), [f"rank {rank}" for rank in timeline])
@@ -191,6 +193,10 @@ def record(script, script_args):
         def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
             with recorder.computation("backward", self.stage_index, bwd_chunk_id):
                 return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, bwd_chunk_id, *args, **kwargs):
+            with recorder.computation("weight", self.stage_index, bwd_chunk_id):
+                return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
         def perform_reduce_grad(self, grad_scale_factor):
             with recorder.computation("reduce", self.stage_index, None):
@@ -310,9 +316,11 @@ class PipelineRecorder:
         _, start, end = self.clock.spans[-1]
         self.events.append((kind, stage_index, microbatch, start, end))
         key = (stage_index, microbatch)
+        # NOTE: zero bubble's input-gradient backward frees the micro-batch here; its weight part ("weight") keeps
+        # some of those tensors until it runs, which this count leaves out.
         if kind == "backward":
             self.held_bytes -= self.saved_bytes.pop(key, 0)
-        elif kind != "reduce":
+        elif kind in ("forward", "loss"):
             self.saved_bytes[key] = self.saved_bytes.get(key, 0) + sum(storages.values())
             self.held_bytes += sum(storages.values())
             if self.held_bytes > self.peak_bytes:

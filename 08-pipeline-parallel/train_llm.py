@@ -469,7 +469,8 @@ def compile_layers(model):
 
 
 # --pp-schedule's names for get_schedule_class().
-PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}
+PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
+                      "interleaved-zb": "InterleavedZeroBubble"}
 
 
 def check_pipeline_layout(args, world_size, config):
@@ -481,6 +482,9 @@ def check_pipeline_layout(args, world_size, config):
             f"rank, not --pp-stages-per-rank {stages_per_rank}; use interleaved-1f1b")
     require(one_stage_per_rank or stages_per_rank >= 2, f"--pp-schedule {args.pp_schedule} needs 2 or more "
             f"--pp-stages-per-rank, not {stages_per_rank}; or use --pp-schedule 1f1b")
+    # NOTE: zero bubble computes each backward's weight gradients apart, later, which torch cannot do compiled.
+    require(args.pp_schedule != "interleaved-zb" or (args.pp_grad_reduce == "step" and not args.compile),
+            "--pp-schedule interleaved-zb reduces gradients once a step; use --pp-grad-reduce step, without --compile")
     num_stages, num_layers = args.pp * stages_per_rank, config.num_hidden_layers
     require(num_stages <= num_layers, f"{num_stages} pipeline stages (--pp {args.pp} x {stages_per_rank} per rank) "
             f"for {num_layers} decoder layers; use at most {num_layers}, or a smaller --pp")

@@ -43,6 +43,9 @@ LAYOUTS = {
     # 4 stages of one layer, 2 on each rank; 2 micro-steps of 2 sequences each, as 2 micro-batches.
     "pp2-interleaved-1f1b": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "2",
                                  "--batch-size", "2", "--grad-accum", "2"]),
+    # Zero bubble: the same, each backward's weight gradients computed apart, in the idle time of the other stage.
+    "pp2-interleaved-zb": (2, ["--pp", "2", "--pp-schedule", "interleaved-zb", "--pp-microbatches", "2",
+                               "--batch-size", "2", "--grad-accum", "2", "--pp-grad-reduce", "step"]),
     "pp2-dp2-1f1b": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2", "--batch-size", "2"]),
     # PipelineStage's own reduction: each FSDP group reduce-scattered once a step, after the last micro-batch.
     "pp2-dp2-1f1b-reduce-per-step": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2",
@@ -370,6 +373,9 @@ LAYOUT_ERRORS = {
                                "--batch-size", "10"], {},
                            "5 micro-batches a step (--pp-microbatches x --grad-accum) cannot make 2 equal rounds of "
                            "interleaved-1f1b; use a multiple of --pp 2"),
+    "zero bubble reducing in every micro-batch": (2, ["--pp", "2", "--pp-schedule", "interleaved-zb"], {},
+                                                  "--pp-schedule interleaved-zb reduces gradients once a step; use "
+                                                  "--pp-grad-reduce step, without --compile"),
     "tied embeddings across stages": (2, ["--pp", "2"], {"tie_word_embeddings": True},
                                       "tie_word_embeddings: the first and last stages cannot share one weight"),
 }

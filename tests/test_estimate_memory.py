@@ -474,7 +474,9 @@ def test_the_moe_activations_are_what_a_dropless_top_k_layer_saves(dtype, hidden
 
 @pytest.mark.quick
 def test_the_pipeline_bubble_is_each_schedules_formula():
-    """(p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (2m + p - 1) for interleaved 1F1B at 2 stages per rank:
-    chapter 08's 70B layout, 8 stages and 16 micro-batches, idles 30.4% or 17.9% of a step; no pipeline, no bubble."""
-    assert estimate_memory.pipeline_bubble(8, 16) == {"gpipe": 7 / 23, "1f1b": 7 / 23, "interleaved-1f1b": 7 / 39}
+    """(p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (2m + p - 1) for interleaved 1F1B at 2 stages per rank,
+    (p - 1) / (6m + p - 1) for interleaved zero bubble: chapter 08's 70B layout, 8 stages and 16 micro-batches, idles
+    30.4%, 17.9% or 6.8% of a step; no pipeline, no bubble."""
+    assert estimate_memory.pipeline_bubble(8, 16) == {"gpipe": 7 / 23, "1f1b": 7 / 23, "interleaved-1f1b": 7 / 39,
+                                                      "interleaved-zb": 7 / 103}
     assert estimate_memory.pipeline_bubble(1, 16) == {}

@@ -1023,12 +1023,15 @@ def print_estimate(estimate, bandwidths):
 def pipeline_bubble(stages, micro_batches):
     """The share of a step each stage idles, {chapter 08's --pp-schedule: share}, with p stages on p ranks and m
     micro-batches a step: (p - 1) / (m + p - 1) for GPipe and 1F1B; interleaved 1F1B with v stages per rank cuts
-    each stage's work v times finer, (p - 1) / (v m + p - 1), here at its default v = 2. Empty without a pipeline."""
+    each stage's work v times finer, (p - 1) / (v m + p - 1), here at its default v = 2; interleaved zero bubble
+    fills two thirds of that with weight gradients, (p - 1) / (3 v m + p - 1) (its paper's ZB-H1, with a forward, an
+    input-gradient and a weight-gradient pass taking equal time). Empty without a pipeline."""
     if stages == 1:
         return {}
     bubble = {"gpipe": (stages - 1) / (micro_batches + stages - 1)}
     bubble["1f1b"] = bubble["gpipe"]
     bubble["interleaved-1f1b"] = (stages - 1) / (2 * micro_batches + stages - 1)
+    bubble["interleaved-zb"] = (stages - 1) / (3 * 2 * micro_batches + stages - 1)
     return bubble
 
 
