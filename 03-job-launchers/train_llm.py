@@ -84,6 +84,7 @@ def main():
     # 2. The data: tokenized once, cut into sequences, cached on disk.
     with rank_zero_first():
         dataset = load_and_tokenize_dataset(args, tokenizer)
+    args.grad_accum = grad_accum_steps(args, world_size)
     samples_per_step = args.batch_size * args.grad_accum * world_size
     steps_per_epoch = len(dataset) // samples_per_step
     require(steps_per_epoch > 0, f"{len(dataset)} sequences are fewer than one step's {samples_per_step}; use more "
@@ -149,7 +150,7 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: a step's vote is counted during the next: all ranks stop after the same step, and no host waits.
+        # NOTE: a step's vote is counted during the next: all stop after the same step, no host waits.
         if agreed_to_stop():
             last_step = step
         elif step < last_step:
@@ -206,6 +207,7 @@ def get_parser():
     group.add_argument("--seed", type=int, default=0, help="of the weights and the sample order")
     group.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
     group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    group.add_argument("--global-batch-size", type=int, help="sequences per step over all ranks (sets --grad-accum)")
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
@@ -231,8 +233,8 @@ def get_parser():
 
 def parse_args():
     args = get_parser().parse_args()
-    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
-                 "ckpt_freq", "dist_timeout"]:
+    for name in ["seq_length", "batch_size", "grad_accum", "global_batch_size", "max_steps", "num_epochs",
+                 "exit_after_steps", "log_freq", "ckpt_freq", "dist_timeout"]:
         value = getattr(args, name)
         require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
     require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
@@ -242,6 +244,17 @@ def parse_args():
 def require(condition, message):
     if not condition:
         raise SystemExit(f"error: {message}")
+
+
+def grad_accum_steps(args, dp_size):
+    """--grad-accum, or the micro-steps that make --global-batch-size on dp_size data-parallel ranks."""
+    if args.global_batch_size is None:
+        return args.grad_accum
+    require(args.grad_accum == 1, "--global-batch-size sets --grad-accum; pass one of them")
+    micro_steps, left = divmod(args.global_batch_size, args.batch_size * dp_size)
+    require(micro_steps and not left, f"--global-batch-size {args.global_batch_size} is not a multiple of --batch-size "
+            f"x {dp_size} data-parallel ranks; use a multiple of {args.batch_size * dp_size}")
+    return micro_steps
 
 
 @contextlib.contextmanager
@@ -270,7 +283,7 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
-    # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
+    # NOTE: restarted workers hang or fail on the agent's TCP store (pytorch #135712, #167288).
     require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
             != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
     require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
@@ -494,7 +507,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only, its own GPU's: a run may resume on fewer GPUs.
+# NOTE: this GPU's CUDA state only: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -514,7 +527,7 @@ def catch_stop_signals(worker_id=None):
 
 
 def vote_to_stop(stop_signals, stop_group):
-    # NOTE: the sum of every rank's signals, started now and read a step later: by then it has arrived.
+    # NOTE: every rank's signals summed, started now and read a step later, when it has arrived.
     votes = torch.tensor(len(stop_signals))
     vote = dist.all_reduce(votes, group=stop_group, async_op=True)
     return lambda: vote.wait() and votes.item() > 0

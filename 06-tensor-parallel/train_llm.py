@@ -94,7 +94,7 @@ def main():
     if args.compile:
         compile_layers(model)
     to_empty_keeping_buffers(model, device, cpu_offload=False)
-    # NOTE: a run that resumes takes its weights from its checkpoint (step 4), without reading the pretrained ones.
+    # NOTE: a resumed run takes its weights from its checkpoint, not the pretrained ones.
     checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is None and find_weight_files(model_dir):
         load_pretrained_weights(model, model_dir)
@@ -107,6 +107,7 @@ def main():
     with rank_zero_first():
         dataset = load_and_tokenize_dataset(args, tokenizer)
     # NOTE: the ranks compute one model, so they all read the same batch: for the data, one replica (rank 0 of 1).
+    args.grad_accum = grad_accum_steps(args, 1)
     samples_per_step = args.batch_size * args.grad_accum
     steps_per_epoch = len(dataset) // samples_per_step
     require(steps_per_epoch > 0, f"{len(dataset)} sequences are fewer than one step's {samples_per_step}; use more "
@@ -172,7 +173,7 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: a step's vote is counted during the next: all ranks stop after the same step, and no host waits.
+        # NOTE: a step's vote is counted during the next: all stop after the same step, no host waits.
         if agreed_to_stop():
             last_step = step
         elif step < last_step:
@@ -234,6 +235,7 @@ def get_parser():
     group.add_argument("--seed", type=int, default=0, help="of the weights and the sample order")
     group.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
     group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    group.add_argument("--global-batch-size", type=int, help="sequences per step over all ranks (sets --grad-accum)")
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
@@ -263,8 +265,8 @@ def get_parser():
 
 def parse_args():
     args = get_parser().parse_args()
-    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
-                 "ckpt_freq", "dist_timeout", "ckpt_timeout"]:
+    for name in ["seq_length", "batch_size", "grad_accum", "global_batch_size", "max_steps", "num_epochs",
+                 "exit_after_steps", "log_freq", "ckpt_freq", "dist_timeout", "ckpt_timeout"]:
         value = getattr(args, name)
         require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
     require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
@@ -274,6 +276,17 @@ def parse_args():
 def require(condition, message):
     if not condition:
         raise SystemExit(f"error: {message}")
+
+
+def grad_accum_steps(args, dp_size):
+    """--grad-accum, or the micro-steps that make --global-batch-size on dp_size data-parallel ranks."""
+    if args.global_batch_size is None:
+        return args.grad_accum
+    require(args.grad_accum == 1, "--global-batch-size sets --grad-accum; pass one of them")
+    micro_steps, left = divmod(args.global_batch_size, args.batch_size * dp_size)
+    require(micro_steps and not left, f"--global-batch-size {args.global_batch_size} is not a multiple of --batch-size "
+            f"x {dp_size} data-parallel ranks; use a multiple of {args.batch_size * dp_size}")
+    return micro_steps
 
 
 @contextlib.contextmanager
@@ -302,7 +315,7 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
-    # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
+    # NOTE: restarted workers hang or fail on the agent's TCP store (pytorch #135712, #167288).
     require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
             != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
     require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
@@ -369,13 +382,13 @@ def rank_zero_first():
 # 1. The model
 
 
-# Skipped: the weights again in another format (Llama 3.1 405B: original/*.pth, 800 GB; Mistral: consolidated*).
+# Skipped: the weights in another format (405B's original/*.pth, 800 GB; Mistral's consolidated*).
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
 SKIPPED_MODEL_FILES = ["original/*", "consolidated*.safetensors"]
 
 
 def download_model(model_name):
-    # NOTE: a 405B model is 800 GB: download.sh fetches it before the job, or the other ranks would wait for hours.
+    # NOTE: 405B is 800 GB: download.sh fetches it first, or the other ranks would wait hours.
     if Path(model_name).is_dir():
         return model_name
     return huggingface_hub.snapshot_download(model_name, allow_patterns=MODEL_FILES,
@@ -384,8 +397,8 @@ def download_model(model_name):
 
 @contextlib.contextmanager
 def parameters_on_meta():
-    """Parameters built on the meta device (no memory, no values), buffers for real: the rotary frequencies, a
-    router's bias and any other buffer get the values the model's own code computes (accelerate's init_empty_weights)."""
+    """Parameters on the meta device (no memory, no values), buffers for real, with the values the model's own code
+    computes (the rotary frequencies, a router's bias): accelerate's init_empty_weights."""
     register_parameter = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -417,15 +430,13 @@ def fused_attention_runs(config, device, dtype):
 
 
 def apply_activation_checkpointing(model):
-    # NOTE: a layer keeps only its input for backward (Llama 3.1 405B at 4096 tokens: 23 GB, not 394 GB) and
-    # recomputes the rest: a third more compute. get_state_dict() drops the wrapper's part of the names.
+    # NOTE: each layer keeps its input only, for a third more compute; get_state_dict() hides the wrapper's names.
     for name, layer in model.model.layers.named_children():
         model.model.layers.register_module(name, checkpoint_wrapper(layer))
 
 
 def compile_layers(model):
-    # NOTE: each layer's forward, inside its checkpoint: the layers share one graph, compiled once; FSDP's and TP's
-    # hooks around it stay plain Python (torch 2.13 loses the input's gradient through a compiled TP hook).
+    # NOTE: one graph for all layers, in each checkpoint; hooks stay eager (torch 2.13 drops a compiled TP hook's grad).
     for layer in model.model.layers.children():
         layer = getattr(layer, "_checkpoint_wrapped_module", layer)
         layer.forward = torch.compile(layer.forward, fullgraph=True)
@@ -433,7 +444,7 @@ def compile_layers(model):
 
 @torch.no_grad()
 def to_empty_keeping_buffers(model, device, cpu_offload):
-    # NOTE: to_empty() leaves every tensor uninitialized, buffers too: they get back the values they were built with.
+    # NOTE: to_empty() leaves buffers uninitialized: they get back their built values.
     buffers = [(module, name, buffer) for module in model.modules()
                for name, buffer in module.named_buffers(recurse=False)]
     model.to_empty(device="cpu" if cpu_offload else device)
@@ -442,7 +453,7 @@ def to_empty_keeping_buffers(model, device, cpu_offload):
 
 
 def find_weight_files(model_dir):
-    # NOTE: a folder without weights (the bundled tiny model) trains from the seed; one of pickles would too, silently.
+    # NOTE: no *.safetensors (the tiny model; pickles too, silently): the seed's weights.
     found = sorted(path for path in Path(model_dir).glob("*.safetensors")
                    if not any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_MODEL_FILES))
     pickled = sorted(path.name for pattern in ["pytorch_model*.bin", "*.pth"] for path in Path(model_dir).glob(pattern))
@@ -453,14 +464,13 @@ def find_weight_files(model_dir):
 
 @torch.no_grad()
 def load_pretrained_weights(model, model_dir):
-    # NOTE: DCP reads a Hugging Face folder as its own checkpoint: each rank reads only its shards' slices, into the
-    # shards, straight from the memory-mapped files. No rank holds the whole model, nothing is broadcast.
+    # NOTE: DCP reads the Hugging Face files as a checkpoint: each rank maps in its shards' slices.
     started = time.perf_counter()
     model_state = get_model_state_dict(model)
     if model.config.tie_word_embeddings:
         # NOTE: a tied head is the embedding matrix, saved once as model.embed_tokens.weight.
         del model_state["lm_head.weight"]
-    # NOTE: the reader reads every *.safetensors of its folder: it gets one of links to the weight files only.
+    # NOTE: the reader reads every *.safetensors in its folder: link the weight files only.
     with tempfile.TemporaryDirectory() as weights_dir:
         for path in find_weight_files(model_dir):
             os.symlink(path.resolve(), Path(weights_dir) / path.name)
@@ -481,8 +491,8 @@ def check_tensor_parallel_degree(degree, config, seq_length):
 
 
 def parallelize_model(model, tp_mesh):
-    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise;
-    the logits stay split along the vocabulary, and so does the loss."""
+    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column- then row-wise; the
+    logits and the loss split along the vocabulary."""
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
@@ -501,7 +511,7 @@ def parallelize_model(model, tp_mesh):
 def layer_plan(layer, config):
     """The plan of the modules this decoder layer has; a weight outside it stops the run before the first step."""
     token_slices = SequenceParallel(use_local_output=True)
-    # NOTE: q/k norms normalize each head (Qwen3, Gemma 3), dim 2 of (batch, tokens, heads, head_dim): a rank its own.
+    # NOTE: q/k norms (Qwen3, Gemma 3) normalize each head, dim 2: each rank its own heads.
     head_slices = SequenceParallel(sequence_dim=2, use_local_output=True)
     plan = {
         "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
@@ -540,8 +550,8 @@ def vocab_parallel_loss(logits, labels, vocab_size, num_items_in_batch=None, shi
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Each token's cross-entropy from this rank's slice of its logits: all-reduces of the largest logit, the sum of
-    exponentials and the label's logit (on the rank that holds it); the backward needs none."""
+    """Each token's cross-entropy from this rank's slice of its logits: the largest logit, the sum of exponentials
+    and the label's logit all-reduced; the backward needs no collective."""
 
     @staticmethod
     def forward(ctx, logits, labels, group):
@@ -562,7 +572,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         probabilities, local_labels, owned = ctx.saved_tensors
-        # NOTE: d loss / d logits = softmax - the label's one-hot, whose 1 is on the rank that holds the label.
+        # NOTE: d loss / d logits = softmax - one-hot(label), the 1 on the rank that holds the label.
         grad_logits = probabilities.mul_(grad_losses.unsqueeze(-1))
         grad_logits.scatter_add_(-1, local_labels, -(grad_losses * owned).unsqueeze(-1))
         return grad_logits.to(ctx.logits_dtype), None, None
@@ -672,7 +682,7 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
         shutil.rmtree(temporary_dir, ignore_errors=True)
     dist.barrier(group=group)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    # NOTE: the small state of this step, for rank 0 to write once every rank's shards are.
+    # NOTE: the step's small state, for rank 0 to write once every rank's shards are.
     small_state = {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state}
 
     def finish():
@@ -747,7 +757,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only, its own GPU's: a run may resume on fewer GPUs.
+# NOTE: this GPU's CUDA state only: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -767,7 +777,7 @@ def catch_stop_signals(worker_id=None):
 
 
 def vote_to_stop(stop_signals, stop_group):
-    # NOTE: the sum of every rank's signals, started now and read a step later: by then it has arrived.
+    # NOTE: every rank's signals summed, started now and read a step later, when it has arrived.
     votes = torch.tensor(len(stop_signals))
     vote = dist.all_reduce(votes, group=stop_group, async_op=True)
     return lambda: vote.wait() and votes.item() > 0

@@ -88,6 +88,7 @@ def main():
     require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
             "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
+    args.grad_accum = grad_accum_steps(args, world_size // max(args.pp, 1))
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     # NOTE: pp first: consecutive ranks (a node's GPUs) shard one stage; only activations cross to the next node.
     mesh = init_device_mesh(device.type, (args.pp, world_size // args.pp), mesh_dim_names=("pp", "dp"))
@@ -110,7 +111,7 @@ def main():
     for stage_module in stage_modules:
         shard_model(stage_module, dp_mesh, dtype, args.cpu_offload, reshard_after_forward=args.pp == 1)
         to_empty_keeping_buffers(stage_module, device, args.cpu_offload)
-    # NOTE: a run that resumes takes its weights from its checkpoint (step 4), without reading the pretrained ones.
+    # NOTE: a resumed run takes its weights from its checkpoint, not the pretrained ones.
     checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is None and find_weight_files(model_dir):
         load_pretrained_weights(model, model_dir)
@@ -178,7 +179,6 @@ def main():
     agreed_to_stop = lambda: False
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
-        # NOTE: the step's --grad-accum batches in one schedule: the pipeline fills and drains once per step.
         input_ids = torch.cat([next(micro_batches)["input_ids"] for _ in range(args.grad_accum)])
         input_ids = input_ids.to(device, non_blocking=True)
         # NOTE: the first stage takes the tokens, the last the labels (the loss shifts them: token t predicts t + 1);
@@ -199,7 +199,7 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: a step's vote is counted during the next: all ranks stop after the same step, and no host waits.
+        # NOTE: a step's vote is counted during the next: all stop after the same step, no host waits.
         if agreed_to_stop():
             last_step = step
         elif step < last_step:
@@ -262,6 +262,7 @@ def get_parser():
     group.add_argument("--batch-size", type=int, default=8,
                        help="sequences per dp rank and micro-step, cut into --pp-microbatches")
     group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    group.add_argument("--global-batch-size", type=int, help="sequences per step over all ranks (sets --grad-accum)")
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
@@ -291,8 +292,8 @@ def get_parser():
                        help="micro-batches per --batch-size (default: one per sequence; at --pp 1, one)")
     group.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved)")
     group.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
-                       help="reduce-scatter gradients in every micro-batch's backward, or once a step (less "
-                            "traffic, whole fp32 gradients held)")
+                       help="reduce-scatter in every micro-batch's backward, or once a step (less traffic; whole "
+                            "fp32 gradients held)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
     return parser
@@ -300,8 +301,8 @@ def get_parser():
 
 def parse_args():
     args = get_parser().parse_args()
-    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
-                 "ckpt_freq", "dist_timeout", "ckpt_timeout"]:
+    for name in ["seq_length", "batch_size", "grad_accum", "global_batch_size", "max_steps", "num_epochs",
+                 "exit_after_steps", "log_freq", "ckpt_freq", "dist_timeout", "ckpt_timeout"]:
         value = getattr(args, name)
         require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
     require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
@@ -311,6 +312,17 @@ def parse_args():
 def require(condition, message):
     if not condition:
         raise SystemExit(f"error: {message}")
+
+
+def grad_accum_steps(args, dp_size):
+    """--grad-accum, or the micro-steps that make --global-batch-size on dp_size data-parallel ranks."""
+    if args.global_batch_size is None:
+        return args.grad_accum
+    require(args.grad_accum == 1, "--global-batch-size sets --grad-accum; pass one of them")
+    micro_steps, left = divmod(args.global_batch_size, args.batch_size * dp_size)
+    require(micro_steps and not left, f"--global-batch-size {args.global_batch_size} is not a multiple of --batch-size "
+            f"x {dp_size} data-parallel ranks; use a multiple of {args.batch_size * dp_size}")
+    return micro_steps
 
 
 @contextlib.contextmanager
@@ -339,7 +351,7 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
-    # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
+    # NOTE: restarted workers hang or fail on the agent's TCP store (pytorch #135712, #167288).
     require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
             != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
     require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
@@ -406,13 +418,13 @@ def rank_zero_first():
 # 1. The model
 
 
-# Skipped: the weights again in another format (Llama 3.1 405B: original/*.pth, 800 GB; Mistral: consolidated*).
+# Skipped: the weights in another format (405B's original/*.pth, 800 GB; Mistral's consolidated*).
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
 SKIPPED_MODEL_FILES = ["original/*", "consolidated*.safetensors"]
 
 
 def download_model(model_name):
-    # NOTE: a 405B model is 800 GB: download.sh fetches it before the job, or the other ranks would wait for hours.
+    # NOTE: 405B is 800 GB: download.sh fetches it first, or the other ranks would wait hours.
     if Path(model_name).is_dir():
         return model_name
     return huggingface_hub.snapshot_download(model_name, allow_patterns=MODEL_FILES,
@@ -421,8 +433,8 @@ def download_model(model_name):
 
 @contextlib.contextmanager
 def parameters_on_meta():
-    """Parameters built on the meta device (no memory, no values), buffers for real: the rotary frequencies, a
-    router's bias and any other buffer get the values the model's own code computes (accelerate's init_empty_weights)."""
+    """Parameters on the meta device (no memory, no values), buffers for real, with the values the model's own code
+    computes (the rotary frequencies, a router's bias): accelerate's init_empty_weights."""
     register_parameter = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -454,15 +466,13 @@ def fused_attention_runs(config, device, dtype):
 
 
 def apply_activation_checkpointing(model):
-    # NOTE: a layer keeps only its input for backward (Llama 3.1 405B at 4096 tokens: 23 GB, not 394 GB) and
-    # recomputes the rest: a third more compute. get_state_dict() drops the wrapper's part of the names.
+    # NOTE: each layer keeps its input only, for a third more compute; get_state_dict() hides the wrapper's names.
     for name, layer in model.model.layers.named_children():
         model.model.layers.register_module(name, checkpoint_wrapper(layer))
 
 
 def compile_layers(model):
-    # NOTE: each layer's forward, inside its checkpoint: the layers share one graph, compiled once; FSDP's and TP's
-    # hooks around it stay plain Python (torch 2.13 loses the input's gradient through a compiled TP hook).
+    # NOTE: one graph for all layers, in each checkpoint; hooks stay eager (torch 2.13 drops a compiled TP hook's grad).
     for layer in model.model.layers.children():
         layer = getattr(layer, "_checkpoint_wrapped_module", layer)
         layer.forward = torch.compile(layer.forward, fullgraph=True)
@@ -482,7 +492,7 @@ def check_pipeline_layout(args, world_size, config):
             f"rank, not --pp-stages-per-rank {stages_per_rank}; use interleaved-1f1b")
     require(one_stage_per_rank or stages_per_rank >= 2, f"--pp-schedule {args.pp_schedule} needs 2 or more "
             f"--pp-stages-per-rank, not {stages_per_rank}; or use --pp-schedule 1f1b")
-    # NOTE: zero bubble computes each backward's weight gradients apart, later, which torch cannot do compiled.
+    # NOTE: zero bubble computes weight gradients apart, later; torch cannot split a compiled backward.
     require(args.pp_schedule != "interleaved-zb" or (args.pp_grad_reduce == "step" and not args.compile),
             "--pp-schedule interleaved-zb reduces gradients once a step; use --pp-grad-reduce step, without --compile")
     num_stages, num_layers = args.pp * stages_per_rank, config.num_hidden_layers
@@ -493,13 +503,13 @@ def check_pipeline_layout(args, world_size, config):
     per_batch = args.pp_microbatches or (args.batch_size if args.pp > 1 else 1)
     require(per_batch >= 1 and args.batch_size % per_batch == 0, f"--pp-microbatches {per_batch} does not divide "
             f"--batch-size {args.batch_size}; use a divisor of {args.batch_size}")
-    # NOTE: one schedule per optimizer step: it runs the micro-batches of all the step's --grad-accum batches.
+    # NOTE: one schedule a step runs all its --grad-accum batches: one fill and drain.
     num_microbatches = per_batch * args.grad_accum
     # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward.
     require(args.pp_schedule != "1f1b" or num_microbatches >= num_stages, f"--pp-schedule 1f1b needs at least one "
             f"micro-batch per stage in a step, not {num_microbatches} (--pp-microbatches x --grad-accum); use "
             f"{num_stages} or more, or gpipe")
-    # NOTE: the interleaved schedule runs the micro-batches in equal rounds of up to --pp of them.
+    # NOTE: interleaving runs the micro-batches in equal rounds of up to --pp.
     rounds = max(1, num_microbatches // args.pp)
     require(one_stage_per_rank or num_microbatches % rounds == 0, f"{num_microbatches} micro-batches a step "
             f"(--pp-microbatches x --grad-accum) cannot make {rounds} equal rounds of {args.pp_schedule}; use a "
@@ -510,7 +520,7 @@ def check_pipeline_layout(args, world_size, config):
 def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
     num_stages = pp_degree * stages_per_rank
     num_layers = model.config.num_hidden_layers
-    # NOTE: the first num_layers % num_stages stages get one layer more than the others.
+    # NOTE: the first num_layers % num_stages stages get a layer more.
     first_layers = [stage * (num_layers // num_stages) + min(stage, num_layers % num_stages)
                     for stage in range(num_stages + 1)]
     stage_indices = [pp_rank + pp_degree * local_index for local_index in range(stages_per_rank)]
@@ -555,15 +565,14 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     layers = list(model.layers.values())
     for index, layer in enumerate(layers):
-        # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
-        # its backward comes right after. The root group stays gathered for the same reason.
+        # NOTE: resharded after forward, but the last layer and the root, whose backward comes right after.
         fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
 
 
 @torch.no_grad()
 def to_empty_keeping_buffers(model, device, cpu_offload):
-    # NOTE: to_empty() leaves every tensor uninitialized, buffers too: they get back the values they were built with.
+    # NOTE: to_empty() leaves buffers uninitialized: they get back their built values.
     buffers = [(module, name, buffer) for module in model.modules()
                for name, buffer in module.named_buffers(recurse=False)]
     model.to_empty(device="cpu" if cpu_offload else device)
@@ -572,7 +581,7 @@ def to_empty_keeping_buffers(model, device, cpu_offload):
 
 
 def find_weight_files(model_dir):
-    # NOTE: a folder without weights (the bundled tiny model) trains from the seed; one of pickles would too, silently.
+    # NOTE: no *.safetensors (the tiny model; pickles too, silently): the seed's weights.
     found = sorted(path for path in Path(model_dir).glob("*.safetensors")
                    if not any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_MODEL_FILES))
     pickled = sorted(path.name for pattern in ["pytorch_model*.bin", "*.pth"] for path in Path(model_dir).glob(pattern))
@@ -583,14 +592,13 @@ def find_weight_files(model_dir):
 
 @torch.no_grad()
 def load_pretrained_weights(model, model_dir):
-    # NOTE: DCP reads a Hugging Face folder as its own checkpoint: each rank reads only its shards' slices, into the
-    # shards, straight from the memory-mapped files. No rank holds the whole model, nothing is broadcast.
+    # NOTE: DCP reads the Hugging Face files as a checkpoint: each rank maps in its shards' slices.
     started = time.perf_counter()
     model_state = get_model_state_dict(model)
     if model.config.tie_word_embeddings:
         # NOTE: a tied head is the embedding matrix, saved once as model.embed_tokens.weight.
         del model_state["lm_head.weight"]
-    # NOTE: the reader reads every *.safetensors of its folder: it gets one of links to the weight files only.
+    # NOTE: the reader reads every *.safetensors in its folder: link the weight files only.
     with tempfile.TemporaryDirectory() as weights_dir:
         for path in find_weight_files(model_dir):
             os.symlink(path.resolve(), Path(weights_dir) / path.name)
@@ -712,7 +720,7 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     names_per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(names_per_rank, optimizer_state["param_groups"][0]["params"], group=group)
     optimizer_state["param_groups"][0]["params"] = sorted(set().union(*names_per_rank))
-    # NOTE: the small state of this step, for rank 0 to write once every rank's shards are.
+    # NOTE: the step's small state, for rank 0 to write once every rank's shards are.
     small_state = {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state}
 
     def finish():
@@ -787,7 +795,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only, its own GPU's: a run may resume on fewer GPUs.
+# NOTE: this GPU's CUDA state only: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -807,7 +815,7 @@ def catch_stop_signals(worker_id=None):
 
 
 def vote_to_stop(stop_signals, stop_group):
-    # NOTE: the sum of every rank's signals, started now and read a step later: by then it has arrived.
+    # NOTE: every rank's signals summed, started now and read a step later, when it has arrived.
     votes = torch.tensor(len(stop_signals))
     vote = dist.all_reduce(votes, group=stop_group, async_op=True)
     return lambda: vote.wait() and votes.item() > 0
@@ -892,7 +900,7 @@ def get_loss_function(model, config, loss_scale):
 
 def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device,
                             reduce_every_microbatch):
-    """The schedule of this rank's stages, and whether it runs the first stage (the tokens) and the last (the loss)."""
+    """This rank's stages' schedule, and whether it runs the first stage (the tokens) and the last (the loss)."""
     num_stages = pp_mesh.size() * len(stage_modules)
     stage_options = dict(group=pp_mesh.get_group(), reduce_every_microbatch=reduce_every_microbatch)
     stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, **stage_options)
@@ -920,7 +928,7 @@ class FSDPPipelineStage(PipelineStage):
 
 @torch.no_grad()
 def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
-    # NOTE: this rank's stages only: the stages' squared norms add up to the model's (as in torchtitan).
+    # NOTE: this rank's stages only: their squared norms add up to the model's (as in torchtitan).
     parameters = list(parameters)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
     squared_norm = grad_norm.full_tensor() ** 2

@@ -1,5 +1,5 @@
-"""Chapter 11: 4D parallelism on one (dp, pp, cp, tp) device mesh, as Llama 3 405B was trained: parallelize() composes
-pipeline stages (chapter 08), tensor (06) and context parallelism (09), and FSDP over the ranks left (04).
+"""Chapter 11: 4D parallelism on a (dp, pp, cp, tp) mesh, as Llama 3 405B was trained: parallelize() composes
+pipeline stages (08), tensor (06) and context parallelism (09), and FSDP over the ranks left (04).
 
     torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
 """
@@ -75,7 +75,7 @@ def main():
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
-    # 1. The model: built empty, parallelized in four dimensions, filled with its pretrained weights (or the seed).
+    # 1. The model: built empty, parallelized in 4D, given its pretrained weights (or the seed's).
     with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
         model_dir = download_model(args.model_name)
         config = AutoConfig.from_pretrained(model_dir)
@@ -91,6 +91,7 @@ def main():
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
     # NOTE: looked up once: mesh["pp"] reads the rank map on the host, a sync.
     dp_mesh, pp_mesh, cp_mesh = mesh["dp"], mesh["pp"], mesh["cp"]
+    args.grad_accum = grad_accum_steps(args, dp_mesh.size())
     stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
     check_context_parallel(args, config)
     check_tensor_parallel_degree(tp_degree, config, args.seq_length // args.cp)
@@ -105,7 +106,7 @@ def main():
     stage_modules = parallelize(model, mesh, args, dtype, stages_per_rank, token_indices)
     for stage_module in stage_modules:
         to_empty_keeping_buffers(stage_module, device, args.cpu_offload)
-    # NOTE: a run that resumes takes its weights from its checkpoint (step 4), without reading the pretrained ones.
+    # NOTE: a resumed run takes its weights from its checkpoint, not the pretrained ones.
     checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is None and find_weight_files(model_dir):
         load_pretrained_weights(model, model_dir)
@@ -129,7 +130,7 @@ def main():
     # 3. The optimizer and the learning rate schedule.
     # NOTE: fused=True: one kernel per group of tensors.
     adamw_options = dict(lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=True)
-    # NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too (with --cpu-offload, on the CPU).
+    # NOTE: AdamW's moments are sliced as the parameters are (on the CPU with --cpu-offload).
     optimizer = torch.optim.AdamW(model.parameters(), **adamw_options)
     max_steps = args.max_steps if args.num_epochs is None else args.num_epochs * steps_per_epoch
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -153,7 +154,7 @@ def main():
 
     # 6. The training loop, one pipeline schedule per optimizer step.
     model.train()
-    # NOTE: each micro-batch's loss is its share of the step's global mean (chapter 09).
+    # NOTE: each micro-batch's loss is its share of the global mean (chapter 09).
     loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1))
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
         stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device,
@@ -171,10 +172,9 @@ def main():
     agreed_to_stop = lambda: False
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
-        # NOTE: the step's --grad-accum batches in one schedule: the pipeline fills and drains once per step.
         input_ids = torch.cat([next(micro_batches)["input_ids"] for _ in range(args.grad_accum)])
         input_ids = input_ids.to(device, non_blocking=True)
-        # NOTE: shifted before the cp split: a chunk's last label is the next chunk's first token.
+        # NOTE: shifted before the cp split: a chunk's last label is the next one's first token.
         labels = torch.nn.functional.pad(input_ids[:, 1:], (0, 1), value=-100)[:, token_indices]
         input_ids = input_ids[:, token_indices]
         if schedule is not None:
@@ -199,14 +199,14 @@ def main():
         train_state["samples_seen_in_epoch"] += samples_per_step
         tokens_since_log += samples_per_step * args.seq_length
         progress_bar.update()
-        # NOTE: a step's vote is counted during the next: all ranks stop after the same step, and no host waits.
+        # NOTE: a step's vote is counted during the next: all stop after the same step, no host waits.
         if agreed_to_stop():
             last_step = step
         elif step < last_step:
             agreed_to_stop = vote_to_stop(stop_signals, stop_group)
 
         if step % args.log_freq == 0 or step == last_step:
-            # NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.
+            # NOTE: last-stage ranks hold their share (tp ranks alike), the others 0.
             dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             step_loss /= tp_degree
             loss_value = step_loss.item()
@@ -262,6 +262,7 @@ def get_parser():
     group.add_argument("--batch-size", type=int, default=8,
                        help="sequences per dp rank and micro-step, cut into --pp-microbatches")
     group.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    group.add_argument("--global-batch-size", type=int, help="sequences per step over all ranks (sets --grad-accum)")
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     group.add_argument("--warmup-steps", type=int, default=20, help="before the cosine decay")
     group.add_argument("--weight-decay", type=float, default=0.1)
@@ -293,8 +294,8 @@ def get_parser():
     group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
     group.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved)")
     group.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
-                       help="reduce-scatter gradients in every micro-batch's backward, or once a step (less "
-                            "traffic, whole fp32 gradients held)")
+                       help="reduce-scatter in every micro-batch's backward, or once a step (less traffic; whole "
+                            "fp32 gradients held)")
     group.add_argument("--cp", type=int, default=1, help="context-parallel degree: ranks per sequence")
     group.add_argument("--cp-load-balance", choices=["on", "off"], default="on",
                        help="an early and a late chunk per cp rank (equal causal work); off: one chunk each")
@@ -303,8 +304,8 @@ def get_parser():
 
 def parse_args():
     args = get_parser().parse_args()
-    for name in ["seq_length", "batch_size", "grad_accum", "max_steps", "num_epochs", "exit_after_steps", "log_freq",
-                 "ckpt_freq", "dist_timeout", "ckpt_timeout"]:
+    for name in ["seq_length", "batch_size", "grad_accum", "global_batch_size", "max_steps", "num_epochs",
+                 "exit_after_steps", "log_freq", "ckpt_freq", "dist_timeout", "ckpt_timeout"]:
         value = getattr(args, name)
         require(value is None or value >= 1, f"--{name.replace('_', '-')} must be at least 1, got {value}")
     require(args.warmup_steps >= 0 and args.num_workers >= 0, "--warmup-steps and --num-workers cannot be negative")
@@ -314,6 +315,17 @@ def parse_args():
 def require(condition, message):
     if not condition:
         raise SystemExit(f"error: {message}")
+
+
+def grad_accum_steps(args, dp_size):
+    """--grad-accum, or the micro-steps that make --global-batch-size on dp_size data-parallel ranks."""
+    if args.global_batch_size is None:
+        return args.grad_accum
+    require(args.grad_accum == 1, "--global-batch-size sets --grad-accum; pass one of them")
+    micro_steps, left = divmod(args.global_batch_size, args.batch_size * dp_size)
+    require(micro_steps and not left, f"--global-batch-size {args.global_batch_size} is not a multiple of --batch-size "
+            f"x {dp_size} data-parallel ranks; use a multiple of {args.batch_size * dp_size}")
+    return micro_steps
 
 
 @contextlib.contextmanager
@@ -342,7 +354,7 @@ def get_distributed_environment(rdzv_timeout):
         launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
         environment.setdefault("MASTER_PORT", str(find_free_port()))
-    # NOTE: restarted workers on the agent's TCP store hang or fail in init_process_group() (pytorch #135712, #167288).
+    # NOTE: restarted workers hang or fail on the agent's TCP store (pytorch #135712, #167288).
     require(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
             != "True", "--max-restarts hangs: export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, or drop --max-restarts")
     require("MASTER_ADDR" in environment and "MASTER_PORT" in environment,
@@ -410,8 +422,8 @@ def rank_zero_first():
 
 
 def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
-    """torchtitan's order: tp, cp, activation checkpointing and compile on every layer, then the pipeline split and
-    FSDP over dp and cp on each stage. A degree of 1 wraps nothing."""
+    """torchtitan's order: tp, cp, activation checkpointing, compile, then the pipeline split and FSDP over dp x cp.
+    A degree of 1 wraps nothing."""
     if mesh["tp"].size() > 1:
         parallelize_model(model, mesh["tp"])
     if args.cp > 1:
@@ -428,13 +440,13 @@ def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
     return stage_modules
 
 
-# Skipped: the weights again in another format (Llama 3.1 405B: original/*.pth, 800 GB; Mistral: consolidated*).
+# Skipped: the weights in another format (405B's original/*.pth, 800 GB; Mistral's consolidated*).
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
 SKIPPED_MODEL_FILES = ["original/*", "consolidated*.safetensors"]
 
 
 def download_model(model_name):
-    # NOTE: a 405B model is 800 GB: download.sh fetches it before the job, or the other ranks would wait for hours.
+    # NOTE: 405B is 800 GB: download.sh fetches it first, or the other ranks would wait hours.
     if Path(model_name).is_dir():
         return model_name
     return huggingface_hub.snapshot_download(model_name, allow_patterns=MODEL_FILES,
@@ -443,8 +455,8 @@ def download_model(model_name):
 
 @contextlib.contextmanager
 def parameters_on_meta():
-    """Parameters built on the meta device (no memory, no values), buffers for real: the rotary frequencies, a
-    router's bias and any other buffer get the values the model's own code computes (accelerate's init_empty_weights)."""
+    """Parameters on the meta device (no memory, no values), buffers for real, with the values the model's own code
+    computes (the rotary frequencies, a router's bias): accelerate's init_empty_weights."""
     register_parameter = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -476,17 +488,14 @@ def fused_attention_runs(config, device, dtype):
 
 
 def apply_activation_checkpointing(model):
-    # NOTE: a layer keeps only its input for backward (Llama 3.1 405B at 4096 tokens: 23 GB, not 394 GB) and
-    # recomputes the rest: a third more compute. get_state_dict() drops the wrapper's part of the names.
+    # NOTE: each layer keeps its input only, for a third more compute; get_state_dict() hides the wrapper's names.
     for name, layer in model.model.layers.named_children():
         model.model.layers.register_module(name, checkpoint_wrapper(layer))
 
 
 def compile_layers(model):
-    # NOTE: each layer's forward, inside its checkpoint: the layers share one graph, compiled once; FSDP's and TP's
-    # hooks around it stay plain Python (torch 2.13 loses the input's gradient through a compiled TP hook).
-    # NOTE: the attention across the split sends and receives with c10d, which dynamo does not trace (a graph break):
-    # with --cp > 1 it runs eager, and the layer's other modules compile.
+    # NOTE: one graph for all layers, in each checkpoint; hooks stay eager (torch 2.13 drops a compiled TP hook's grad).
+    # NOTE: dynamo does not trace c10d's sends: with --cp > 1 the attention across the split runs eager.
     across_split = model.config._attn_implementation.startswith("context_parallel")
     for layer in model.model.layers.children():
         layer = getattr(layer, "_checkpoint_wrapped_module", layer)
@@ -497,7 +506,7 @@ def compile_layers(model):
 
 @torch.no_grad()
 def to_empty_keeping_buffers(model, device, cpu_offload):
-    # NOTE: to_empty() leaves every tensor uninitialized, buffers too: they get back the values they were built with.
+    # NOTE: to_empty() leaves buffers uninitialized: they get back their built values.
     buffers = [(module, name, buffer) for module in model.modules()
                for name, buffer in module.named_buffers(recurse=False)]
     model.to_empty(device="cpu" if cpu_offload else device)
@@ -506,7 +515,7 @@ def to_empty_keeping_buffers(model, device, cpu_offload):
 
 
 def find_weight_files(model_dir):
-    # NOTE: a folder without weights (the bundled tiny model) trains from the seed; one of pickles would too, silently.
+    # NOTE: no *.safetensors (the tiny model; pickles too, silently): the seed's weights.
     found = sorted(path for path in Path(model_dir).glob("*.safetensors")
                    if not any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_MODEL_FILES))
     pickled = sorted(path.name for pattern in ["pytorch_model*.bin", "*.pth"] for path in Path(model_dir).glob(pattern))
@@ -517,14 +526,13 @@ def find_weight_files(model_dir):
 
 @torch.no_grad()
 def load_pretrained_weights(model, model_dir):
-    # NOTE: DCP reads a Hugging Face folder as its own checkpoint: each rank reads only its shards' slices, into the
-    # shards, straight from the memory-mapped files. No rank holds the whole model, nothing is broadcast.
+    # NOTE: DCP reads the Hugging Face files as a checkpoint: each rank maps in its shards' slices.
     started = time.perf_counter()
     model_state = get_model_state_dict(model)
     if model.config.tie_word_embeddings:
         # NOTE: a tied head is the embedding matrix, saved once as model.embed_tokens.weight.
         del model_state["lm_head.weight"]
-    # NOTE: the reader reads every *.safetensors of its folder: it gets one of links to the weight files only.
+    # NOTE: the reader reads every *.safetensors in its folder: link the weight files only.
     with tempfile.TemporaryDirectory() as weights_dir:
         for path in find_weight_files(model_dir):
             os.symlink(path.resolve(), Path(weights_dir) / path.name)
@@ -568,7 +576,7 @@ def check_pipeline_layout(args, world_size, config):
             f"rank, not --pp-stages-per-rank {stages_per_rank}; use interleaved-1f1b")
     require(one_stage_per_rank or stages_per_rank >= 2, f"--pp-schedule {args.pp_schedule} needs 2 or more "
             f"--pp-stages-per-rank, not {stages_per_rank}; or use --pp-schedule 1f1b")
-    # NOTE: zero bubble computes each backward's weight gradients apart, later, which torch cannot do compiled.
+    # NOTE: zero bubble computes weight gradients apart, later; torch cannot split a compiled backward.
     require(args.pp_schedule != "interleaved-zb" or (args.pp_grad_reduce == "step" and not args.compile),
             "--pp-schedule interleaved-zb reduces gradients once a step; use --pp-grad-reduce step, without --compile")
     num_stages, num_layers = args.pp * stages_per_rank, config.num_hidden_layers
@@ -579,13 +587,13 @@ def check_pipeline_layout(args, world_size, config):
     per_batch = args.pp_microbatches or (args.batch_size if args.pp > 1 else 1)
     require(per_batch >= 1 and args.batch_size % per_batch == 0, f"--pp-microbatches {per_batch} does not divide "
             f"--batch-size {args.batch_size}; use a divisor of {args.batch_size}")
-    # NOTE: one schedule per optimizer step: it runs the micro-batches of all the step's --grad-accum batches.
+    # NOTE: one schedule a step runs all its --grad-accum batches: one fill and drain.
     num_microbatches = per_batch * args.grad_accum
     # NOTE: 1F1B's warm-up sends one micro-batch into each stage before the first backward.
     require(args.pp_schedule != "1f1b" or num_microbatches >= num_stages, f"--pp-schedule 1f1b needs at least one "
             f"micro-batch per stage in a step, not {num_microbatches} (--pp-microbatches x --grad-accum); use "
             f"{num_stages} or more, or gpipe")
-    # NOTE: the interleaved schedule runs the micro-batches in equal rounds of up to --pp of them.
+    # NOTE: interleaving runs the micro-batches in equal rounds of up to --pp.
     rounds = max(1, num_microbatches // args.pp)
     require(one_stage_per_rank or num_microbatches % rounds == 0, f"{num_microbatches} micro-batches a step "
             f"(--pp-microbatches x --grad-accum) cannot make {rounds} equal rounds of {args.pp_schedule}; use a "
@@ -596,7 +604,7 @@ def check_pipeline_layout(args, world_size, config):
 def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
     num_stages = pp_degree * stages_per_rank
     num_layers = model.config.num_hidden_layers
-    # NOTE: the first num_layers % num_stages stages get one layer more than the others.
+    # NOTE: the first num_layers % num_stages stages get a layer more.
     first_layers = [stage * (num_layers // num_stages) + min(stage, num_layers % num_stages)
                     for stage in range(num_stages + 1)]
     stage_indices = [pp_rank + pp_degree * local_index for local_index in range(stages_per_rank)]
@@ -651,8 +659,8 @@ def register_context_parallel_attention(cp_mesh, load_balance):
 
 
 def parallelize_model(model, tp_mesh):
-    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column-wise, then row-wise;
-    the logits stay split along the vocabulary, and so does the loss."""
+    """Norms and residual adds on token slices, Shard(1); attention (whole heads) and MLP column- then row-wise; the
+    logits and the loss split along the vocabulary."""
     parallelize_module(model, tp_mesh, {
         "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "model.layers.0": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
@@ -671,7 +679,7 @@ def parallelize_model(model, tp_mesh):
 def layer_plan(layer, config):
     """The plan of the modules this decoder layer has; a weight outside it stops the run before the first step."""
     token_slices = SequenceParallel(use_local_output=True)
-    # NOTE: q/k norms normalize each head (Qwen3, Gemma 3), dim 2 of (batch, tokens, heads, head_dim): a rank its own.
+    # NOTE: q/k norms (Qwen3, Gemma 3) normalize each head, dim 2: each rank its own heads.
     head_slices = SequenceParallel(sequence_dim=2, use_local_output=True)
     plan = {
         "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
@@ -710,8 +718,8 @@ def vocab_parallel_loss(logits, labels, vocab_size, num_items_in_batch=None, shi
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Each token's cross-entropy from this rank's slice of its logits: all-reduces of the largest logit, the sum of
-    exponentials and the label's logit (on the rank that holds it); the backward needs none."""
+    """Each token's cross-entropy from this rank's slice of its logits: the largest logit, the sum of exponentials
+    and the label's logit all-reduced; the backward needs no collective."""
 
     @staticmethod
     def forward(ctx, logits, labels, group):
@@ -732,7 +740,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses):
         probabilities, local_labels, owned = ctx.saved_tensors
-        # NOTE: d loss / d logits = softmax - the label's one-hot, whose 1 is on the rank that holds the label.
+        # NOTE: d loss / d logits = softmax - one-hot(label), the 1 on the rank that holds the label.
         grad_logits = probabilities.mul_(grad_losses.unsqueeze(-1))
         grad_logits.scatter_add_(-1, local_labels, -(grad_losses * owned).unsqueeze(-1))
         return grad_logits.to(ctx.logits_dtype), None, None
@@ -744,8 +752,7 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
                        offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     layers = list(model.layers.values())
     for index, layer in enumerate(layers):
-        # NOTE: a layer's weights are freed after forward and gathered again for backward, except the last layer's:
-        # its backward comes right after. The root group stays gathered for the same reason.
+        # NOTE: resharded after forward, but the last layer and the root, whose backward comes right after.
         fully_shard(layer, **fsdp_config, reshard_after_forward=reshard_after_forward and index < len(layers) - 1)
     fully_shard(model, **fsdp_config, reshard_after_forward=False)
     # NOTE: each rank's loss is its share of the global mean: a plain SUM (gloo has no premultiplied one).
@@ -786,7 +793,7 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, scale, group, load_balance):
         batch, heads, tokens, head_dim = query.shape
-        # NOTE: laid out as o_proj's input, (batch, tokens, heads, head_dim): o_proj keeps this very tensor.
+        # NOTE: laid out as o_proj's input (batch, tokens, heads, head_dim), which o_proj keeps.
         output = torch.zeros(batch, tokens, heads, head_dim, dtype=torch.float32, device=query.device).transpose(1, 2)
         lse = torch.full(query.shape[:-1], float("-inf"), dtype=torch.float32, device=query.device)
         for _, key_value, visible in ring_steps(torch.stack([key, value]), group, load_balance):
@@ -853,7 +860,7 @@ def start_ring_pass(tensor, group, tag):
 
 def visible_block(rank, source, local_length, load_balance):
     """(query rows, key columns, causal) of the source rank's block that this rank's queries see, or None."""
-    # NOTE: balanced, our queries see an earlier rank's early half, and only our late half sees a later rank's block.
+    # NOTE: balanced: all our queries see an earlier rank's early half; only our late half sees a later rank's.
     everything = slice(None)
     if source == rank:
         return everything, everything, True
@@ -1010,7 +1017,7 @@ def save_checkpoint(experiment_dir, model, optimizer, lr_scheduler, train_state,
     names_per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(names_per_rank, optimizer_state["param_groups"][0]["params"], group=group)
     optimizer_state["param_groups"][0]["params"] = sorted(set().union(*names_per_rank))
-    # NOTE: the small state of this step, for rank 0 to write once every rank's shards are.
+    # NOTE: the step's small state, for rank 0 to write once every rank's shards are.
     small_state = {"lr_scheduler": lr_scheduler.state_dict(), "rng": get_rng_state(), **train_state}
 
     def finish():
@@ -1085,7 +1092,7 @@ SHAPE_KEYS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads"]
 
 
-# NOTE: the current device's CUDA state only, its own GPU's: a run may resume on fewer GPUs.
+# NOTE: this GPU's CUDA state only: a run may resume on fewer GPUs.
 def get_rng_state():
     return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
 
@@ -1105,7 +1112,7 @@ def catch_stop_signals(worker_id=None):
 
 
 def vote_to_stop(stop_signals, stop_group):
-    # NOTE: the sum of every rank's signals, started now and read a step later: by then it has arrived.
+    # NOTE: every rank's signals summed, started now and read a step later, when it has arrived.
     votes = torch.tensor(len(stop_signals))
     vote = dist.all_reduce(votes, group=stop_group, async_op=True)
     return lambda: vote.wait() and votes.item() > 0
@@ -1190,7 +1197,7 @@ def get_loss_function(model, config, num_labels):
 
 def build_pipeline_schedule(stage_modules, schedule_name, num_microbatches, loss_fn, pp_mesh, device,
                             reduce_every_microbatch):
-    """The schedule of this rank's stages, and whether it runs the first stage (the tokens) and the last (the loss)."""
+    """This rank's stages' schedule, and whether it runs the first stage (the tokens) and the last (the loss)."""
     num_stages = pp_mesh.size() * len(stage_modules)
     stage_options = dict(group=pp_mesh.get_group(), reduce_every_microbatch=reduce_every_microbatch)
     stages = [FSDPPipelineStage(module, module.stage_index, num_stages, device, **stage_options)
@@ -1218,7 +1225,7 @@ class FSDPPipelineStage(PipelineStage):
 
 @torch.no_grad()
 def clip_grad_norm_across_stages(parameters, max_norm, pp_group):
-    # NOTE: this rank's stages only: the stages' squared norms add up to the model's (as in torchtitan).
+    # NOTE: this rank's stages only: their squared norms add up to the model's (as in torchtitan).
     parameters = list(parameters)
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
     squared_norm = grad_norm.full_tensor() ** 2

@@ -271,12 +271,14 @@ def test_resume_on_4_ranks_with_the_same_global_batch_continues_exactly(runs, re
     assert norm_difference <= GRAD_NORM_TOLERANCE
 
 
-def test_resume_from_2_ranks_x_3_on_3_ranks_x_2_continues_exactly(runs, env, tmp_path):
-    """The global batch of 6 split unevenly the other way round: a checkpoint of 2 ranks x 3 samples, stopped after
-    step 4, resumed on 3 ranks x 2; the uninterrupted run is the parity test's 3 ranks x 2."""
+def test_an_elastic_restart_on_3_ranks_of_a_2_rank_job_keeps_the_global_batch_and_the_curve(runs, env, tmp_path):
+    """--global-batch-size 6 --batch-size 1, the command an elastic job restarts with: 2 ranks accumulate 3
+    micro-batches, stopped after step 4 (a node lost or gained); resumed on 3 ranks they accumulate 2, so the global
+    batch stays 6 and the run continues the parity test's 3 ranks x 2 exactly."""
     _, straight = fsdp(runs, env, 3)
-    train("04", env, tmp_path, *TEN_STEPS, "--batch-size", 3, "--exit-after-steps", 4, nproc=2, experiment="uneven")
-    result, resumed = train("04", env, tmp_path, *TEN_STEPS, "--batch-size", 2, nproc=3, experiment="uneven")
+    elastic = ["--batch-size", 1, "--global-batch-size", 6]
+    train("04", env, tmp_path, *TEN_STEPS, *elastic, "--exit-after-steps", 4, nproc=2, experiment="elastic")
+    result, resumed = train("04", env, tmp_path, *TEN_STEPS, *elastic, nproc=3, experiment="elastic")
     assert f"resumed from {resumed / 'checkpoint-00000004'}" in result.stdout
     loss_difference = max_difference(read_losses(straight), read_losses(resumed))
     norm_difference = grad_norm_difference(straight, resumed, clipped=True)
@@ -284,7 +286,7 @@ def test_resume_from_2_ranks_x_3_on_3_ranks_x_2_continues_exactly(runs, env, tmp
     weights_resumed = checkpoint_weights(resumed / "checkpoint-00000010", tmp_path)
     weight_difference = max((weights_straight[name] - weights_resumed[name]).abs().max().item()
                             for name in weights_straight)
-    print(f"2 ranks x 3 -> 3 ranks x 2 after step 4: largest loss difference {loss_difference:.2e}, relative gradient "
+    print(f"2 ranks x 1 x 3 micro-steps -> 3 ranks x 1 x 2 after step 4: largest loss difference {loss_difference:.2e}, relative gradient "
           f"norm difference {norm_difference:.1e}, largest weight difference {weight_difference:.1e}")
     assert loss_difference <= 1e-5
     assert norm_difference <= GRAD_NORM_TOLERANCE

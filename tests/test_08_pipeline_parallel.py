@@ -43,9 +43,10 @@ LAYOUTS = {
     # 4 stages of one layer, 2 on each rank; 2 micro-steps of 2 sequences each, as 2 micro-batches.
     "pp2-interleaved-1f1b": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "2",
                                  "--batch-size", "2", "--grad-accum", "2"]),
-    # Zero bubble: the same, each backward's weight gradients computed apart, in the idle time of the other stage.
+    # Zero bubble: the same, each backward's weight gradients computed apart, in the idle time of the other stage;
+    # --global-batch-size 4 sets the 2 micro-steps (2 sequences on 1 data-parallel rank).
     "pp2-interleaved-zb": (2, ["--pp", "2", "--pp-schedule", "interleaved-zb", "--pp-microbatches", "2",
-                               "--batch-size", "2", "--grad-accum", "2", "--pp-grad-reduce", "step"]),
+                               "--batch-size", "2", "--global-batch-size", "4", "--pp-grad-reduce", "step"]),
     "pp2-dp2-1f1b": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2", "--batch-size", "2"]),
     # PipelineStage's own reduction: each FSDP group reduce-scattered once a step, after the last micro-batch.
     "pp2-dp2-1f1b-reduce-per-step": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2",

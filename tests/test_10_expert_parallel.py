@@ -134,6 +134,7 @@ def test_the_load_balancing_loss_is_the_global_batchs_not_a_mean_of_per_rank_los
     first = read_metrics(experiment)[0]
     expected = (load.max().item(), load.min().item())
     assert (first["expert_load_max"], first["expert_load_min"]) == pytest.approx(expected, abs=1e-6)
+    assert torch.allclose(torch.tensor(first["expert_load"], dtype=torch.float64), load, atol=1e-6)
     # The per-rank mean is another number: a test that could not tell them apart would prove nothing.
     assert abs(per_rank_mean - global_aux) >= 100 * 1e-6 * global_aux
 

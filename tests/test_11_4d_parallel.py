@@ -34,7 +34,9 @@ LAYOUTS = {
     "tp2-pp2": (["--tp", "2", "--pp", "2"], {"dp": 1, "pp": 2, "cp": 1, "tp": 2}),
     "pp2-cp2": (["--pp", "2", "--cp", "2"], {"dp": 1, "pp": 2, "cp": 2, "tp": 1}),
     "pp2-cp2-unclipped": (["--pp", "2", "--cp", "2", *NO_CLIPPING], {"dp": 1, "pp": 2, "cp": 2, "tp": 1}),
-    "pp2-dp2-reduce-per-step": (["--pp", "2", "--pp-grad-reduce", "step"], {"dp": 2, "pp": 2, "cp": 1, "tp": 1}),
+    # NOTE: --global-batch-size divides by the 2 data-parallel ranks (not the world's 4): one micro-step.
+    "pp2-dp2-reduce-per-step": (["--pp", "2", "--pp-grad-reduce", "step", "--global-batch-size", str(GLOBAL_BATCH)],
+                                {"dp": 2, "pp": 2, "cp": 1, "tp": 1}),
 }
 
 

@@ -46,6 +46,7 @@ LINEAGE = {
         "load_checkpoint": "without map_location every rank would load onto cuda:0, where rank 0 saved from",
         "get_rng_state": "with a GPU per process, the state saved is that process's GPU's",
         "vote_to_stop": "every rank stops after the same step when any is signalled, without a host waiting in a step",
+        "grad_accum_steps": "--global-batch-size keeps the global batch whatever the world size (an elastic restart)",
     },
     ("02", "03"): {
         "main": "the rank, world size and rendezvous come from whichever launcher started the process",
@@ -253,7 +254,7 @@ REWORDED = {
         "# NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.":
             "the loss is divided by the global batch's label tokens: the division by the world size is gone a line "
             "on",
-        "# its backward comes right after. The output group below stays gathered for the same reason.":
+        "# NOTE: resharded after forward, but the last layer and the output group below, whose backward comes next.":
             "at 405B the norm and head are a group of their own that stays gathered; the root holds nothing",
     },
     ("04", "06"): {
@@ -272,15 +273,15 @@ REWORDED = {
             "the loss is summed, not averaged: the division by the world size is gone a line on",
     },
     ("06", "07"): {
-        "# NOTE: the parameters are this rank's slices, so AdamW's moments are sliced too (with --cpu-offload, on the "
-        "CPU).": "chapter 07 brings back chapter 04's --cpu-offload",
+        "# NOTE: AdamW's moments are sliced as the parameters are (on the CPU with --cpu-offload).":
+            "chapter 07 brings back chapter 04's --cpu-offload",
     },
     ("07", "11"): {
-        "# 1. The model: built empty, parallelized in four dimensions, filled with its pretrained weights (or the "
-        "seed).": "parallelize() composes the four dimensions where chapter 07 composed two",
+        "# 1. The model: built empty, parallelized in 4D, given its pretrained weights (or the seed's).":
+            "parallelize() composes the four dimensions where chapter 07 composed two",
         "# 6. The training loop, one pipeline schedule per optimizer step.": "chapter 08's loop, the pipeline's "
                                                                               "schedule",
-        "# NOTE: last-stage ranks hold their share of the mean, the others 0; the tp ranks of a share hold it alike.":
+        "# NOTE: last-stage ranks hold their share (tp ranks alike), the others 0.":
             "chapter 08's loss of the last stage, which the tp ranks of a share hold alike",
     },
 }

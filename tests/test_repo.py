@@ -289,6 +289,22 @@ def test_chapter_01_and_11_stay_within_their_character_budgets():
     assert not over, "\n".join(over)
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("chapter", [chapter for chapter in EXISTING_CHAPTERS if chapter != "01"])
+def test_global_batch_size_sets_the_accumulation_for_any_data_parallel_size_or_gets_one_line(chapter):
+    from types import SimpleNamespace
+
+    grad_accum_steps = load_script(chapter).grad_accum_steps
+    elastic = SimpleNamespace(global_batch_size=24, batch_size=2, grad_accum=1)
+    assert [grad_accum_steps(elastic, dp_size) for dp_size in (1, 3, 4, 12)] == [12, 4, 3, 1]
+    assert grad_accum_steps(SimpleNamespace(global_batch_size=None, batch_size=2, grad_accum=3), 4) == 3
+    with pytest.raises(SystemExit, match="^error: --global-batch-size 24 is not a multiple of --batch-size x 5 "
+                                         "data-parallel ranks; use a multiple of 10$"):
+        grad_accum_steps(elastic, 5)
+    with pytest.raises(SystemExit, match="^error: --global-batch-size sets --grad-accum; pass one of them$"):
+        grad_accum_steps(SimpleNamespace(global_batch_size=24, batch_size=2, grad_accum=2), 4)
+
+
 TRACKER_REFERENCE = re.compile(r"\bissues? #?\d{1,3}\b|\bthe issue's\b|\(#\d{1,3}\)", re.IGNORECASE)
 
 
