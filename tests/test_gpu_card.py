@@ -63,7 +63,7 @@ def cpu_card(card_cache, background, env):
 # the background from the session's start; the first test to read it waits for what is left (pytest.ini stops a
 # test at 15 minutes).
 CARD_TIMEOUT = pytest.mark.timeout(2400)
-in_background("cpu-card", "cpu_card", lambda out_dir: [sys.executable, CARD, "--cpu", "--steps", "8", "--out", out_dir])
+in_background("cpu-card", "cpu_card", lambda out_dir: [sys.executable, CARD, "--cpu", "--steps", "4", "--log-freq", "2", "--out", out_dir])
 
 
 def by_name(card):

@@ -4,17 +4,19 @@ differs (determinism.md); the same tokens in larger steps need a larger learning
 (gradient-accumulation.md); the corpus is tokenized once, by rank 0, and the workers keep the order
 (data-loading.md); pure bf16 weights lose the updates fp32 master weights keep (mixed-precision.md); a stopped and
 resumed job is one wandb run, logged by rank 0 (wandb.md); a run stopped by SIGUSR1 exits 0 with a checkpoint of the
-step it stopped at, and resumes the same curve (preemption.md)."""
+step it stopped at, and resumes the same curve (preemption.md); the elastic restart's commands keep the global batch
+(elastic-training.md, run by test_04)."""
 
 import re
 import signal
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (REPO, TINY_MODEL, logged_step, max_difference, read_losses, read_metrics, run, train,
+from helpers import (REPO, TINY_MODEL, load_script, logged_step, max_difference, read_losses, read_metrics, run, train,
                      train_until_signalled)
 
 sys.path.insert(0, str(REPO / "dev"))
@@ -155,3 +157,23 @@ def test_pure_bf16_weights_lose_the_updates_that_fp32_master_weights_keep():
     # NOTE: an update of ~1e-3 is below half of bf16's spacing at 1.0 (2^-8 below, 2^-7 above): rounded away
     assert results["pure bf16"][1] == 1.0 and results["fp32"][1] == results["autocast"][1] == 0.0
     assert results["pure bf16"][0] > results["fp32"][0] and abs(results["autocast"][0] - results["fp32"][0]) < 0.05
+
+
+@pytest.mark.quick
+def test_the_elastic_page_s_commands_keep_the_global_batch_and_name_the_test_that_runs_them():
+    """elastic-training.md's two CPU commands (2 ranks, then 3 with the same flags) set 3 and then 2 micro-batches of
+    a global batch of 6, and the test that runs them exists in test_04."""
+    from types import SimpleNamespace
+
+    page = (REPO / "related-topics" / "elastic-training.md").read_text()
+    commands = [line.split() for line in page.splitlines() if line.startswith("torchrun --standalone")]
+    assert [command[3] for command in commands] == ["2", "3"]
+    grad_accum_steps = load_script("04").grad_accum_steps
+    for command in commands:
+        options = dict(zip(command[5::2], command[6::2]))
+        assert options["-e"] == "elastic"
+        args = SimpleNamespace(global_batch_size=int(options["--global-batch-size"]),
+                               batch_size=int(options["--batch-size"]), grad_accum=1)
+        assert grad_accum_steps(args, int(command[3])) * int(command[3]) * args.batch_size == 6
+    test_name = re.search(r"::(test_\w+)`", page).group(1)
+    assert f"def {test_name}(" in (REPO / "tests" / "test_04_fully_sharded_data_parallel.py").read_text()
