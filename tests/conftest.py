@@ -140,7 +140,7 @@ def the_whole_suite_ran(session):
 def pytest_sessionfinish(session, exitstatus):
     """After a run of the whole suite: each file's time into tests/times.json (tests/time_table.py turns it into
     the table of tests/README.md), and a failure if the suite took longer than SUITE_BUDGET_S, scaled by how much
-    slower than the machine that timed it this one ran (the lesser of machine_speed.py's slowdown at start and end)."""
+    slower than the machine that timed it this one ran (the mean of machine_speed.py's slowdown at start and end)."""
     times = TIMES
     basetemp = session.config._tmp_path_factory.getbasetemp()
     if WORKER is not None:
@@ -149,8 +149,9 @@ def pytest_sessionfinish(session, exitstatus):
         return
     total = time.monotonic() - times["started"]
     times["slowdown"].append(machine_speed.slowdown())
-    # NOTE: the lesser of the two: a measurement another process shared the cores with must not raise the budget.
-    slowdown = min(times["slowdown"])
+    # NOTE: the mean: a machine can slow down during the run (measured 1.00 at the start, 1.34 at the end, the same
+    # tests' CPU seconds up 17%). Run the suite alone: a measurement that shares the cores reads high.
+    slowdown = sum(times["slowdown"]) / len(times["slowdown"])
     files = {}
     for nodeid, seconds in times["tests"].items():
         files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
