@@ -443,13 +443,14 @@ def checkpoint_seconds(result):
     return [float(seconds) for seconds in times]
 
 
-def run_together(commands, env, cwd, timeout=300):
+def run_together(commands, env, cwd, timeout=300, while_running=None):
     """Start several commands at once (e.g. one torchrun agent per "node") and wait for all of them.
 
     Each runs in a process session of its own, with its output in a temporary file (a pipe that nobody reads while
     we wait on another process could fill up and block it). Everything they started is stopped (stop_everything)
     when the commands end or the shared deadline passes. Returns one CompletedProcess per command, whatever their
-    exit status.
+    exit status. env: one for all, or a list of one per command. while_running(processes), if given, runs once
+    they have started (to signal one of them, say).
     """
     import tempfile
     import time
@@ -458,10 +459,13 @@ def run_together(commands, env, cwd, timeout=300):
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
     processes = []
     timed_out = False
+    envs, env = (env, env[0]) if isinstance(env, list) else ([env] * len(commands), env)
     try:
-        for command, (stdout, stderr) in zip(commands, files):
-            processes.append(subprocess.Popen([str(part) for part in command], cwd=cwd, env=env, stdout=stdout,
-                                              stderr=stderr, text=True, start_new_session=True))
+        for command, env_of_command, (stdout, stderr) in zip(commands, envs, files):
+            processes.append(subprocess.Popen([str(part) for part in command], cwd=cwd, env=env_of_command,
+                                              stdout=stdout, stderr=stderr, text=True, start_new_session=True))
+        if while_running is not None:
+            while_running(processes)
         for process in processes:
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))

@@ -2,7 +2,8 @@
 Slurm with one torchrun per node (job.sbatch), Slurm with srun alone (job-srun.sbatch), Open MPI (mpirun.sh), and
 two torchrun agents acting as two nodes. An elastic restart after a rank is killed resumes from the last checkpoint
 and ends with the weights of an uninterrupted run; a rendezvous endpoint nobody listens on fails with a message
-that names it, in bounded time, instead of hanging.
+that names it, in bounded time, instead of hanging. The Kubernetes manifests validate against the API's schemas,
+and their pods, run here as local processes, stop on SIGTERM with exit 75, resume and train as chapter 02 does.
 
 The Slurm and MPI tests need a cluster. `eval "$(.ci/launchers.sh up /tmp/slurm-state)"` starts a two-node one on
 this machine (root, Debian); without one they are skipped, or fail when the variable CI is set. Network tests only
@@ -13,6 +14,7 @@ the launcher bound them to; the elastic restart's and the CPU probes' start cold
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -350,3 +352,132 @@ def test_torchrun_agent_with_an_unreachable_endpoint_fails_in_bounded_time(env, 
 def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
     """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
     check_family_matrix("03", runs, env, family_models)
+
+
+KUBERNETES_VERSIONS = ["1.31.0", "1.37.0"]   # podFailurePolicy is stable from 1.31; the validator's newest
+JOBSET_SCHEMA = REPO / "tests" / "schemas" / "jobset.x-k8s.io_v1alpha2.json.gz"
+
+
+def manifest(name):
+    import yaml
+
+    return list(yaml.safe_load_all((CHAPTER / name).read_text()))
+
+
+def strict(schema):
+    """A CRD's schema that rejects unknown fields, as kubectl's strict field validation does."""
+    if isinstance(schema, dict):
+        schema = {key: strict(value) for key, value in schema.items()}
+        if "properties" in schema and "additionalProperties" not in schema and \
+                not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema["additionalProperties"] = False
+    elif isinstance(schema, list):
+        schema = [strict(value) for value in schema]
+    return schema
+
+
+def kubernetes_errors(document):
+    """The validation errors of one object: built-in kinds against the Kubernetes API's OpenAPI schemas
+    (kubernetes-validate, strict), a JobSet against its CRD's schema (JOBSET_SCHEMA) and its Jobs as batch/v1 Jobs."""
+    import gzip
+    import json
+
+    import jsonschema
+    import kubernetes_validate
+
+    errors = []
+    if document["kind"] == "JobSet":
+        schema = strict(json.loads(gzip.decompress(JOBSET_SCHEMA.read_bytes())))
+        errors += [error.message for error in jsonschema.Draft4Validator(schema).iter_errors(document)]
+        documents = [{"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job["name"]}, **job["template"]}
+                     for job in document["spec"]["replicatedJobs"]]
+    else:
+        documents = [document]
+    for version in KUBERNETES_VERSIONS:
+        for one in documents:
+            try:
+                kubernetes_validate.validate(one, version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                errors.append(f"{version}: {error.message}")
+    return errors
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["k8s-job.yaml", "k8s-jobset.yaml"])
+def test_the_kubernetes_manifests_validate_against_the_api_schemas(name):
+    documents = manifest(name)
+    assert [document["kind"] for document in documents] == (["Service", "Job"] if name == "k8s-job.yaml" else
+                                                            ["JobSet"])
+    for document in documents:
+        assert kubernetes_errors(document) == [], document["kind"]
+    # The positive control: a misspelled field fails both validators.
+    job = documents[-1]["spec"]
+    template = job["replicatedJobs"][0]["template"]["spec"] if name == "k8s-jobset.yaml" else job
+    template["template"]["spec"]["terminationGracePeriod"] = 300
+    assert len(kubernetes_errors(documents[-1])) >= (3 if name == "k8s-jobset.yaml" else 2)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["k8s-job.yaml", "k8s-jobset.yaml"])
+def test_the_kubernetes_pods_find_pod_0_keep_a_stopped_run_and_outlast_its_save(name):
+    document = manifest(name)[-1]
+    job = document["spec"]["replicatedJobs"][0]["template"] if name == "k8s-jobset.yaml" else document
+    pod = job["spec"]["template"]["spec"]
+    container, = pod["containers"]
+    env = {variable["name"]: variable.get("value") for variable in container["env"]}
+    prefix = f"{document['metadata']['name']}-node-0" if name == "k8s-jobset.yaml" else document["metadata"]["name"]
+    assert env["RDZV_HOST"] == f"{prefix}-0.{document['metadata']['name']}"
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == int(env["NNODES"])
+    assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == env["NPROC_PER_NODE"]
+    # Exit 75 (stopped and saved) and a disruption are a stop, not a failure.
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert [rule.get("onExitCodes", {}).get("values") for rule in rules] == [None, [75]]
+    assert pod["terminationGracePeriodSeconds"] > 240   # the entrypoint's default SHUTDOWN_TIMEOUT
+    assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+
+
+def pod_command(name, index, port, workdir):
+    """Pod `index`'s command and environment from the manifest, as the Job controller would give them on this
+    machine: its completion index, pod 0's name resolving to 127.0.0.1, one process per pod, the tiny model."""
+    import re
+
+    container, = manifest(name)[-1]["spec"]["template"]["spec"]["containers"]
+    values = {variable["name"]: variable.get("value", "test-job-uid") for variable in container["env"]}
+    values.update(JOB_COMPLETION_INDEX=str(index), RDZV_HOST="127.0.0.1", RDZV_PORT=str(port), NPROC_PER_NODE="1",
+                  MAX_STEPS=str(STEPS), SAVE_DIR=str(workdir / "outputs"), EXPERIMENT="k8s")
+    args = [re.sub(r"\$\((\w+)\)", lambda match: values[match.group(1)], arg) for arg in container["args"]]
+    tiny = ["-m", REPO / "data" / "tiny-llama", "-d", REPO / "data" / "tiny-shakespeare", *FAST_ARGS, *ARGS[2:]]
+    return [workdir / container["command"][0], *args, *tiny], values
+
+
+def run_together_pods(pods, env, workdir, while_running=None):
+    """The pods' commands at once, each with its own environment (run_together's, per command)."""
+    return run_together([command for command, _ in pods], [{**env, **values} for _, values in pods], workdir,
+                        timeout=LAUNCH_TIMEOUT, while_running=while_running)
+
+
+# NOTE: long: two "pods" of one process, stopped by a SIGTERM to pod 1, then both started again to the end.
+def test_two_kubernetes_pods_stop_on_sigterm_exit_75_resume_and_match_chapter_02(env, runs, repo_lookalike):
+    port = free_port()
+    pods = [pod_command("k8s-job.yaml", index, port, repo_lookalike) for index in range(2)]
+    metrics = repo_lookalike / "outputs" / "k8s" / "metrics.jsonl"
+
+    def preempt_pod_1(processes):
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert time.monotonic() < deadline and all(process.poll() is None for process in processes)
+            time.sleep(0.2)
+        processes[1].send_signal(signal.SIGTERM)   # the pod's first process, as Kubernetes sends it
+
+    stopped = run_together_pods(pods, env, repo_lookalike, while_running=preempt_pod_1)
+    assert [result.returncode for result in stopped] == [75, 75], [result.stderr[-3000:] for result in stopped]
+    assert "SIGTERM: checkpoint and exit" in stopped[1].stdout
+    saved = sorted(path.name for path in metrics.parent.glob("checkpoint-*"))
+    assert saved and saved[-1] < FINAL_CHECKPOINT, saved
+    resumed = run_together_pods(pods, env, repo_lookalike)
+    assert [result.returncode for result in resumed] == [0, 0], [result.stderr[-3000:] for result in resumed]
+    assert f"resumed from {metrics.parent / saved[-1]}" in resumed[0].stdout + resumed[0].stderr
+    again = run_together_pods(pods, env, repo_lookalike)
+    assert [result.returncode for result in again] == [0, 0] and "done already" in again[0].stdout
+    print(f"\nKubernetes pods: SIGTERM to pod 1 after step 2; both saved {saved[-1]} and exited 75, resumed, exit 0")
+    assert_matches_reference(runs, env, metrics.parent, "2 Kubernetes pods, stopped and resumed")
