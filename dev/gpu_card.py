@@ -21,9 +21,9 @@ card.json and card.md are rewritten after every run, so a card cut short keeps w
    the plain fine-tune (whose losses must equal the seeded run's): --activation-checkpointing, --compile, and
    --attn-implementation flash_attention_2 when flash-attn imports.
 5. The step-overhead benchmark (dev/benchmark_step_overhead.py) for chapters 01 and 04: the bare loop and the
-   chapter in fresh processes, alternated 3 times; medians and their ratio (target: within 5%). And chapter 09's
-   ring attention block, forward and backward, against SDPA's flash kernel on one GPU (TFLOP/s), since at world
-   size 1 chapters 08 and 09 exercise no pipeline and no ring (their rows say so).
+   chapter in fresh processes, alternated 3 times (twice with --cpu); medians and their ratio (target: within
+   5%). And chapter 09's ring attention block, forward and backward, against SDPA's flash kernel on one GPU
+   (TFLOP/s), since at world size 1 chapters 08 and 09 exercise no pipeline and no ring (their rows say so).
 6. The options that step AdamW on the CPU, in short runs from the same folder (the seeded init of --cpu-offload
    would draw other weights, on the CPU): --cpu-offload; the 405B command's features together; chapter 04 with
    --cpu-offload; and, when flash-attn imports, the syncs per layer of flash_attention_2 at batch size 1 (its
@@ -657,11 +657,11 @@ def make_plan(card, chapters, environment, scratch_dir, parts):
         bench_steps = 6 if gpu else 3
         bench_args = ["-m", args.model, "--seq-length", str(args.seq_length), "--batch-size", str(args.batch_size),
                       "--num-workers", "1" if gpu else "0"]
-        # NOTE: on the CPU chapter 01 only, to keep the CPU mode short; tests/test_gpu_card.py runs chapter 04's.
+        # NOTE: on the CPU chapter 01 only, twice each, to keep the CPU mode short; tests/test_gpu_card.py runs 04's.
         for chapter in [chapter for chapter in BENCHMARK_CHAPTERS[:None if gpu else 1] if chapter in chapters]:
             json_out = runs_dir / f"benchmark-{chapter}.json"
             command = [sys.executable, str(BENCHMARK), "--chapter", chapter, "--steps", str(bench_steps),
-                       "--repeats", "3", "--nproc", "1", "--json-out", str(json_out),
+                       "--repeats", "3" if gpu else "2", "--nproc", "1", "--json-out", str(json_out),
                        "--log-dir", str(card.out_dir / "logs" / "benchmark"), "--", *bench_args,
                        *chapter_args[chapter]]
             plan.append(BenchmarkRun(name=f"benchmark-{chapter}", chapter=chapter, command=command,

@@ -406,6 +406,46 @@ def test_every_python_excerpt_is_quoted_from_the_chapter(readme):
                       f"the chapter's code:\n" + "\n---\n".join(wrong)
 
 
+def diff_block_errors(block, base_lines, chapter_lines):
+    """The lines of a ```diff block that the real diff of the two scripts does not have: a `+` line must be added,
+    a `-` line removed, a context line in either script (compared without their indentation)."""
+    import difflib
+
+    real = {"+": set(), "-": set()}
+    for line in difflib.unified_diff(base_lines, chapter_lines, n=0, lineterm=""):
+        if line[:1] in real and not line.startswith(("+++", "---")):
+            real[line[0]].add(line[1:].strip())
+    either = {line.strip() for line in base_lines + chapter_lines}
+    errors = [line for line in block.splitlines() if line.strip() and not (
+        line[1:].strip() in real[line[0]] if line[0] in real else line.strip() in either)]
+    return errors + ([] if any(line[:1] in real for line in block.splitlines()) else ["(no + or - line)"])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("readme", CHAPTER_READMES, ids=lambda path: path.parent.name[:2])
+def test_every_diff_block_is_cut_from_the_real_diff_against_the_base(readme):
+    # NOTE: a diff block shows the lines a change is about where the text teaches it; it cannot go stale.
+    blocks = [body for kind, body in FENCED_BLOCK.findall(readme.read_text()) if kind == "diff"]
+    number = readme.parent.name[:2]
+    assert number in BASE or not blocks, "chapter 01 has no base to diff against"
+    if not blocks:
+        return
+    base_lines = next(REPO.glob(f"{BASE[number]}-*/train_llm.py")).read_text().splitlines()
+    chapter_lines = (readme.parent / "train_llm.py").read_text().splitlines()
+    wrong = {block: errors for block in blocks if (errors := diff_block_errors(block, base_lines, chapter_lines))}
+    assert not wrong, f"{readme.relative_to(REPO)}: diff blocks with lines the real diff does not have: {wrong}"
+
+
+@pytest.mark.quick
+def test_a_diff_block_with_a_line_the_diff_lacks_fails():
+    base = ["x = 1", "for _ in range(3):", "    f(x)"]
+    chapter = ["x = 1", "for step in range(3):", "    f(x)"]
+    assert diff_block_errors("-for _ in range(3):\n+for step in range(3):\n     f(x)", base, chapter) == []
+    assert diff_block_errors("+for _ in range(3):", base, chapter) == ["+for _ in range(3):"]
+    assert diff_block_errors("+x = 1", base, chapter) == ["+x = 1"]     # unchanged, not added
+    assert diff_block_errors(" g(x)", base, chapter) == [" g(x)", "(no + or - line)"]
+
+
 @pytest.mark.quick
 def test_the_repository_layout_lists_every_folder():
     tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout

@@ -102,12 +102,13 @@ if os.environ.get("FAULT_STALE_LISTING"):
 # FAULT_SLEEP_ON_CALL="datasets.load_from_disk:15"   sleep 15 seconds before the first call of that function, only on
 # FAULT_RANK=0                                       rank FAULT_RANK (default 0), and say so on stderr: a slow rank,
 #                                                    e.g. rank 0 preparing a large data set while the others wait.
+#                                                    A third field "every" sleeps before every call (slow steps).
 if os.environ.get("FAULT_SLEEP_ON_CALL"):
     import importlib
     import sys
     import time
 
-    sleep_target, sleep_seconds = os.environ["FAULT_SLEEP_ON_CALL"].rsplit(":", 1)
+    sleep_target, sleep_seconds, *sleep_every = os.environ["FAULT_SLEEP_ON_CALL"].split(":")
     sleep_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     if sleep_rank == os.environ.get("FAULT_RANK", "0"):
         sleep_module_name, sleep_function_name = sleep_target.rsplit(".", 1)
@@ -116,7 +117,7 @@ if os.environ.get("FAULT_SLEEP_ON_CALL"):
         slept = [False]
 
         def sleep_then_call(*args, **kwargs):
-            if not slept[0]:
+            if not slept[0] or sleep_every == ["every"]:
                 slept[0] = True
                 print(f"injected fault: rank {sleep_rank} sleeps {sleep_seconds}s before {sleep_target}", file=sys.stderr,
                       flush=True)
