@@ -92,6 +92,18 @@ def test_tiny_pipeline_dry_run_of_every_stage_holds_what_a_real_gloo_run_holds(e
         assert buffers <= dry["held"]["Activation"] < buffers + 4 * 64 * 8 + 64, dry["held"]
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("chapter, layout", [("04", []), ("11", ["--tp", "2", "--pp", "2"])])
+def test_the_estimate_beside_a_dry_run_reads_the_global_batch_as_the_chapter_does(chapter, layout):
+    """--global-batch-size 16 on 8 ranks of 1-sequence micro-batches is --grad-accum 2 x dp 8, or 4 x dp 4 (tp 2),
+    and a pipeline runs all the step's micro-batches in one schedule: the estimate's micro-batches follow."""
+    model = ["-m", str(REPO / "data/configs/llama-3.1-8b"), "--seq-length", "1024", "--batch-size", "1", *layout]
+    dp = 8 // (4 if layout else 1)
+    by_global = dry_run.estimate(chapter, [*model, "--global-batch-size", "16"], 0, 8, 8)
+    by_accum = dry_run.estimate(chapter, [*model, "--grad-accum", str(16 // dp)], 0, 8, 8)
+    assert by_global == by_accum and by_global["layout"]["grad_accum"] == 16 // dp
+
+
 def test_a_tiny_expert_parallel_dry_run_agrees_with_the_estimate():
     """Chapter 10 at ep 2 x edp 4, in bf16 (grouped_mm's shape function takes no other): the tool answers the
     all-to-all's split sizes (the host's one read of the step's routing) as balanced routing gives them. The state to

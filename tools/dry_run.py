@@ -343,17 +343,21 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
                           ("--dp-replicate", 1)]:
         parser.add_argument(flag, type=type(default), default=default)
     parser.add_argument("--pp-microbatches", type=int)
+    parser.add_argument("--global-batch-size", type=int)
     parser.add_argument("--pp-grad-reduce", default="microbatch")
     for flag in ["--activation-checkpointing", "--cpu-offload", "--split-root-group"]:
         parser.add_argument(flag, action="store_true")
     known, _ = parser.parse_known_args(chapter_args)
     if chapter == "06":
         known.tp = world_size
-    if chapter in ("08", "11"):
-        # NOTE: the estimator's --batch-size is one micro-batch and --grad-accum the micro-batches a stage runs.
-        micro_batches = known.pp_microbatches or known.batch_size
-        known.batch_size, known.grad_accum = known.batch_size // micro_batches, micro_batches
     model_parallel = known.tp * known.pp * known.cp
+    if known.global_batch_size:
+        known.grad_accum = known.global_batch_size // (known.batch_size * (world_size // model_parallel))
+    if chapter in ("08", "11"):
+        # NOTE: the estimator's --batch-size is one micro-batch and --grad-accum the micro-batches a stage runs in
+        # a step: the batch's, times the accumulation steps (one schedule run a step).
+        micro_batches = known.pp_microbatches or known.batch_size
+        known.batch_size, known.grad_accum = known.batch_size // micro_batches, micro_batches * known.grad_accum
     argv = ["-m", known.m, "--dp", str(world_size // model_parallel), "--fsdp", "--rank", str(rank), "--batch-size",
             str(known.batch_size), "--seq-length", str(known.seq_length), "--grad-accum", str(known.grad_accum),
             "--dtype", known.dtype, "--pp-grad-reduce", known.pp_grad_reduce, "--json"]

@@ -1,0 +1,237 @@
+"""Which layout for my model and my cluster? Every layout the chapters run, for a model config and a cluster shape,
+that fits the GPUs' memory, best first, with its chapter and its command.
+
+    python tools/plan_layout.py -m data/configs/llama-3.1-8b --nnodes 1 --nproc-per-node 8
+    python tools/plan_layout.py -m data/configs/llama-3.1-70b --nnodes 8 --nproc-per-node 8 --seq-length 4096
+    python tools/plan_layout.py -m data/configs/llama-3.1-405b --nnodes 2048 --nproc-per-node 8 --global-batch-size 2048
+
+It follows the Ultra-Scale Playbook's three steps. 1. Fit a step in memory: each layout's peak per GPU is
+tools/estimate_memory.py's (the memory of chapter 01 to 11's code, held to measurements by its tests), and a layout
+fits if that peak is at most --memory-fraction of --gpu-memory-gb (the rest: the allocator's rounding, CUDA and
+NCCL workspaces). 2. Reach the global batch: one sequence per micro-batch and data-parallel rank, and gradient
+accumulation for the rest (the pipeline's micro-batches, with --pp); a layout whose data-parallel ranks do not divide
+--global-batch-size is left out. 3. Maximise throughput, with a model of a step's time:
+
+    compute   = FLOPs per GPU / (--peak-tflops x --mfu), FLOPs per token 6 x active parameters + 6 x layers x
+                hidden x sequence (causal attention, forward and backward), x 4/3 with activation checkpointing
+    bubble    = compute x b / (1 - b), 1F1B's b = (p - 1) / (m + p - 1)
+    exposed   = what the chapters wait for: tensor parallel's collectives, the pipeline's sends, the all-to-alls
+    overlapped = what runs beside the compute: FSDP's and DDP's collectives, context parallel's ring
+    step      = max(compute + bubble + exposed, overlapped)
+
+A collective's time is its bytes (estimate_memory's, per GPU) over the link's bandwidth, plus a latency per ring
+hop and call: --bandwidth-gbs and --latency-us give the link inside a node and between nodes. Tensor parallel stays
+inside a node; the mesh is (dp, pp, cp, tp) as in chapter 11, so a group that spans more GPUs than a node crosses
+nodes. The pipeline runs 1F1B, whose memory the estimator models; interleaving cuts the bubble (chapter 08) at a
+memory cost it does not. Every number is an estimate: dry-run the pick (tools/dry_run.py) before renting the cluster.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import estimate_memory  # noqa: E402  (the memory model, one definition)
+
+CHAPTERS = {"02": "02-distributed-data-parallel", "04": "04-fully-sharded-data-parallel", "06": "06-tensor-parallel",
+            "07": "07-2d-parallel", "08": "08-pipeline-parallel", "09": "09-context-parallel",
+            "10": "10-expert-parallel", "11": "11-4d-parallel"}
+# The groups whose collectives the chapters wait for; FSDP's, DDP's and the ring's run beside the compute.
+EXPOSED = ("tp", "pp (stage to stage)", "ep (all-to-all)")
+
+
+def main():
+    args = get_parser().parse_args()
+    config = estimate_memory.load_config(args.model_name)
+    world_size = args.nnodes * args.nproc_per_node
+    global_batch = args.global_batch_size or max(1, 2 ** 22 // args.seq_length)
+    plans = sorted(candidates(config, args, world_size, global_batch), key=lambda plan: plan.step_seconds)
+    fitting = [plan for plan in plans if plan.peak_gb <= args.gpu_memory_gb * args.memory_fraction]
+    # NOTE: within 2% of the fastest, the simplest first: fewer kinds of split, less to go wrong, for a time the
+    # model cannot tell apart.
+    close = [plan for plan in fitting if plan.step_seconds <= 1.02 * fitting[0].step_seconds] if fitting else []
+    fitting = sorted(close, key=lambda plan: (plan.splits, plan.step_seconds)) + fitting[len(close):]
+    if args.json:
+        print(json.dumps([plan.as_dict() for plan in fitting[:args.top]], indent=1))
+        return
+    print(f"{len(fitting)} of {len(plans)} layouts of {world_size} GPUs fit {args.memory_fraction:.0%} of "
+          f"{args.gpu_memory_gb:g} GB at {args.seq_length} tokens, {global_batch} sequences a step; best first:")
+    for plan in fitting[:args.top]:
+        print(f"\n{plan.describe()}\n  {plan.command}")
+    if not fitting:
+        raise SystemExit("error: no layout fits; add GPUs, shorten --seq-length, or see chapter 05's --cpu-offload")
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_argument_group("model and cluster")
+    group.add_argument("-m", "--model-name", required=True, help="a folder with config.json, or a hub name")
+    group.add_argument("--nnodes", type=int, default=1)
+    group.add_argument("--nproc-per-node", type=int, default=8, help="GPUs per node")
+    group.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    group.add_argument("--memory-fraction", type=float, default=0.9, help="of the GPU's memory a step may use")
+    group = parser.add_argument_group("training")
+    group.add_argument("--seq-length", type=int, default=8192)
+    group.add_argument("--global-batch-size", type=int, help="sequences per step (default: 4M tokens' worth)")
+    group = parser.add_argument_group("speed model")
+    group.add_argument("--peak-tflops", type=float, default=989.0, help="bf16 dense (H100, H200: 989)")
+    group.add_argument("--mfu", type=float, default=0.4, help="the share of the peak a layer's matmuls reach")
+    group.add_argument("--bandwidth-gbs", type=float, nargs=2, default=estimate_memory.DEFAULT_BANDWIDTHS_GBS,
+                       metavar=("INSIDE", "BETWEEN"), help="per GPU and direction, inside a node and between nodes")
+    group.add_argument("--latency-us", type=float, nargs=2, default=[1.0, 5.0], metavar=("INSIDE", "BETWEEN"),
+                       help="per ring hop of a collective")
+    group = parser.add_argument_group("output")
+    group.add_argument("--top", type=int, default=5, help="layouts to print")
+    group.add_argument("--json", action="store_true", help="a list of objects instead of text")
+    return parser
+
+
+@dataclass
+class Plan:
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    fsdp: bool
+    zero1: bool
+    activation_checkpointing: bool
+    grad_accum: int
+    peak_gb: float
+    compute_seconds: float
+    bubble_seconds: float
+    exposed_seconds: float
+    overlapped_seconds: float
+    chapter: str
+    command: str
+
+    @property
+    def step_seconds(self):
+        return max(self.compute_seconds + self.bubble_seconds + self.exposed_seconds, self.overlapped_seconds)
+
+    @property
+    def splits(self):
+        return sum(size > 1 for size in (self.tp, self.pp, self.cp, self.ep)) + self.activation_checkpointing
+
+    def as_dict(self):
+        return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "step_seconds": self.step_seconds}
+
+    def describe(self):
+        kind = "FSDP" if self.fsdp else "ZeRO-1" if self.zero1 else "DDP"
+        parts = [f"{kind} {self.dp}" if self.dp > 1 else "",
+                 *(f"{name} {size}" for name, size in [("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
+                                                        ("ep", self.ep)] if size > 1),
+                 "activation checkpointing" if self.activation_checkpointing else ""]
+        return (f"chapter {self.chapter}: {', '.join(filter(None, parts))}; peak {self.peak_gb:.1f} GB; step "
+                f"{self.step_seconds:.2f} s (compute {self.compute_seconds:.2f}, bubble {self.bubble_seconds:.2f}, "
+                f"waits {self.exposed_seconds:.2f}, beside {self.overlapped_seconds:.2f})")
+
+
+def candidates(config, args, world_size, global_batch):
+    experts = bool(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0)
+                   or getattr(config, "n_routed_experts", 0))
+    for tp in [size for size in (1, 2, 4, 8) if args.nproc_per_node % size == 0]:
+        for cp in [size for size in (1, 2, 4, 8) if args.seq_length % (2 * size) == 0]:
+            for pp in [2 ** power for power in range(8) if 2 ** power <= config.num_hidden_layers]:
+                if world_size % (tp * cp * pp) or global_batch % (world_size // (tp * cp * pp)):
+                    continue
+                dp = world_size // (tp * cp * pp)
+                grad_accum = global_batch // dp
+                if pp > 1 and grad_accum < pp:
+                    continue   # 1F1B: a micro-batch per stage at least
+                for ep in expert_degrees(dp, tp, cp, pp, experts, config):
+                    # FSDP over the dp ranks (none at dp 1), with or without activation checkpointing; with no
+                    # other split, chapter 02's DDP and ZeRO-1 too (no activation checkpointing there).
+                    options = [(dp > 1, False, False), (dp > 1, False, True)]
+                    options += [(False, False, False), (False, True, False)] if dp > 1 and tp * cp * pp * ep == 1 \
+                        else []
+                    for fsdp, zero1, checkpointing in options:
+                        plan = estimate(config, args, world_size, dp, tp, pp, cp, ep, fsdp, zero1, checkpointing,
+                                        grad_accum, global_batch)
+                        if plan is not None:
+                            yield plan
+
+
+def expert_degrees(dp, tp, cp, pp, experts, config):
+    """Chapter 10 splits the experts over ranks of its data-parallel FSDP; not combined with tp, cp or pp here."""
+    if not experts or tp * cp * pp > 1:
+        return [1]
+    count = getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or config.n_routed_experts
+    return [size for size in (1, 2, 4, 8, 16, 32, 64) if dp % size == 0 and count % size == 0]
+
+
+def estimate(config, args, world_size, dp, tp, pp, cp, ep, fsdp, zero1, checkpointing, grad_accum, global_batch):
+    layout = estimate_memory.Layout(dp=dp, zero1=zero1, fsdp=fsdp, tp=tp, pp=pp, cp=cp,
+                                    ep=ep if ep > 1 else None, activation_checkpointing=checkpointing, batch_size=1,
+                                    seq_length=args.seq_length, grad_accum=grad_accum, dtype="bfloat16")
+    try:
+        result = estimate_memory.estimate_step(config, layout)
+    except SystemExit:
+        return None   # a layout the chapters reject (a split that does not divide, a plan that does not cover)
+    dims = estimate_memory.model_dimensions(config)
+    tokens_per_gpu = global_batch * args.seq_length / world_size
+    flops_per_token = 6 * result["num_active_parameters"] + 6 * dims.layers * dims.hidden * args.seq_length
+    compute = tokens_per_gpu * flops_per_token * (4 / 3 if checkpointing else 1) / (args.peak_tflops * 1e12 * args.mfu)
+    bubble_share = result["pipeline_bubble"].get("1f1b", 0.0)
+    exposed = overlapped = 0.0
+    for name, group in result["comm_by_group"].items():
+        seconds = collective_seconds(group, crosses_nodes(name, args.nproc_per_node, world_size, tp, cp, pp, ep), args)
+        if name in EXPOSED:
+            exposed += seconds
+        else:
+            overlapped += seconds
+    chapter = "02" if dp > 1 and not fsdp else pick_chapter(dp, tp, pp, cp, ep)
+    return Plan(dp, tp, pp, cp, ep, fsdp, zero1, checkpointing, grad_accum, result["peak_bytes"] / 1e9, compute,
+                compute * bubble_share / (1 - bubble_share), exposed, overlapped, chapter,
+                command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing))
+
+
+def crosses_nodes(group_name, nproc_per_node, world_size, tp, cp, pp, ep):
+    """Whether a group's ranks span nodes, on chapter 11's (dp, pp, cp, tp) mesh, tp innermost."""
+    span = {"tp": tp, "cp (ring attention)": tp * cp, "pp (stage to stage)": tp * cp * pp,
+            "ep (all-to-all)": ep}.get(group_name, world_size)
+    return span > nproc_per_node
+
+
+def collective_seconds(group, between_nodes, args):
+    bandwidth, latency = (args.bandwidth_gbs[1], args.latency_us[1]) if between_nodes else \
+        (args.bandwidth_gbs[0], args.latency_us[0])
+    hops = sum(counts["calls"] * (1 if kind == "send" else group["group_size"] - 1)
+               for kind, counts in group["collectives"].items())
+    return group["sent_bytes"] / (bandwidth * 1e9) + hops * latency * 1e-6
+
+
+def pick_chapter(dp, tp, pp, cp, ep):
+    """The chapter that runs a layout with FSDP over its dp ranks (or none, at dp 1)."""
+    if ep > 1:
+        return "10"
+    split = [size > 1 for size in (tp, pp, cp)]
+    if sum(split) > 1:
+        return "11"
+    if tp > 1:
+        return "07" if dp > 1 else "06"
+    return "08" if pp > 1 else "09" if cp > 1 else "04"
+
+
+def command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing):
+    flags = ["-m", args.model_name, "--seq-length", str(args.seq_length), "--batch-size", "1", "--global-batch-size",
+             str(global_batch)]
+    flags += ["--zero1"] if zero1 else []
+    flags += ["--tp", str(tp)] if chapter in ("07", "11") else []   # chapter 06: tp is the world size
+    flags += ["--pp", str(pp)] if pp > 1 else []
+    flags += ["--cp", str(cp)] if cp > 1 else []
+    flags += ["--ep", str(ep)] if ep > 1 else []
+    flags += ["--activation-checkpointing"] if checkpointing else []
+    flags += ["--compile"] if chapter != "02" else []
+    script = f"{CHAPTERS[chapter]}/train_llm.py"
+    if args.nnodes == 1:
+        return " ".join(["torchrun --standalone --nproc-per-node", str(args.nproc_per_node), script, *flags])
+    return " ".join([f"TRAIN_SCRIPT={script} sbatch --nodes {args.nnodes} --gpus-per-node {args.nproc_per_node}",
+                     "03-job-launchers/job.sbatch", *flags])
+
+
+if __name__ == "__main__":
+    main()
