@@ -35,7 +35,8 @@ export PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-expandable_segments:True}
 # A preemption or eviction sends SIGTERM to this process only: pass it to the workers, torchrun's children, which
 # agree with every other pod's ranks on a step, save it and exit 0. Not to torchrun: a signalled torchrun skips its
 # exit barrier, where the other pods' torchrun would wait 300 s. Found in /proc (images often lack pkill); none
-# yet: torchrun. Until torchrun ends, again every 5 s: a worker still starting up dies of it, and is restarted.
+# yet (torchrun is in its rendezvous): torchrun. Once: a worker that already saved and is exiting would die of a
+# second one, a failure that torchrun answers by restarting every pod's workers.
 STOPPED=0 TORCHRUN_PID=
 stop_workers() {
     local stat line ppid workers=
@@ -64,10 +65,6 @@ TORCHRUN_PID=$!
 [ "$STOPPED" = 0 ] || stop_workers
 status=0
 wait "$TORCHRUN_PID" || status=$?
-while [ "$STOPPED" = 1 ] && kill -0 "$TORCHRUN_PID" 2>/dev/null; do
-    sleep 5
-    stop_workers
-done
 [ "$STOPPED" = 0 ] || { status=0; wait "$TORCHRUN_PID" || status=$?; }
 
 if [ -d "$FINAL_CHECKPOINT" ]; then

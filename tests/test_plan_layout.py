@@ -22,9 +22,13 @@ pytestmark = pytest.mark.quick
 
 def plans(model, *args):
     """The tool's layouts for data/configs/MODEL, best first (its --json list, in this process)."""
+    argv = sys.argv
     sys.argv = ["plan_layout.py", "-m", str(CONFIGS / model), *args, "--json", "--top", "100"]
-    with contextlib.redirect_stdout(io.StringIO()) as printed:
-        plan_layout.main()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            plan_layout.main()
+    finally:
+        sys.argv = argv
     return json.loads(printed.getvalue())
 
 
@@ -56,28 +60,47 @@ def test_llama_405b_on_2048_nodes_at_8k_tokens_gets_tp_8_with_a_pipeline():
 @pytest.mark.parametrize("model, cluster", [("llama-3.1-8b", ["--nnodes", "1"]), ("llama-3.1-70b", ["--nnodes", "8"]),
                                             ("llama-3.1-405b", ["--nnodes", "64", "--seq-length", "4096"]),
                                             ("qwen3-30b-a3b", ["--nnodes", "2", "--seq-length", "4096"])])
-def test_every_pick_is_a_command_its_chapter_parses_with_the_picked_layout(model, cluster):
+def test_every_pick_is_a_command_its_chapter_accepts_with_the_picked_layout(model, cluster):
+    """Each pick's flags through its chapter's parser and the checks its main() makes before the first step."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(CONFIGS / model)
     picked = plans(model, *cluster)
+    world_size = int(cluster[1]) * 8
     assert picked and {plan["chapter"] for plan in picked} <= set(plan_layout.CHAPTERS)
     for plan in picked:
         chapter, script, flags = command_words(plan["command"])
-        args = load_script(chapter).get_parser().parse_args(flags)
+        module = load_script(chapter)
+        args = module.get_parser().parse_args(flags)
         assert chapter == plan["chapter"] and script == f"{plan_layout.CHAPTERS[chapter]}/train_llm.py"
         assert args.global_batch_size == plan["dp"] * plan["grad_accum"] and args.batch_size == 1
-        for name in ["tp", "pp", "cp", "ep"]:
-            # NOTE: chapter 06 splits every layer over all its ranks: no --tp.
-            expected = plan["tp"] if chapter == "06" and name == "tp" else getattr(args, name, None) or 1
-            assert expected == plan[name] and (chapter != "06" or plan["dp"] == 1), (name, plan)
+        # NOTE: chapter 06 splits every layer over all its ranks: no --tp.
+        tp = world_size if chapter == "06" else getattr(args, "tp", None) or 1
+        assert [tp, *(getattr(args, name, None) or 1 for name in ["pp", "cp", "ep"])] == \
+            [plan[name] for name in ["tp", "pp", "cp", "ep"]], plan
         assert bool(getattr(args, "activation_checkpointing", False)) == plan["activation_checkpointing"]
         assert getattr(args, "zero1", False) == plan["zero1"]
+        assert getattr(args, "pp_grad_reduce", "microbatch") == plan["pp_grad_reduce"]
+        if tp > 1:
+            module.check_tensor_parallel_degree(tp, config, args.seq_length)
+        if chapter in ("08", "11"):
+            args.grad_accum = module.grad_accum_steps(args, plan["dp"])
+            module.check_pipeline_layout(args, world_size, config)
+        if chapter in ("09", "11"):
+            module.check_context_parallel(args, config)
 
 
 def test_the_step_model_is_the_arithmetic_its_docstring_gives():
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     best = plans("llama-3.1-8b", "--nnodes", "1", "--seq-length", "4096", "--mfu", "0.5")[0]
-    # 4M tokens a step on 8 GPUs, 6 x 8.03B parameters + 6 x 32 layers x 4096 hidden x 4096 tokens a token.
-    tokens_per_gpu = 1024 * 4096 / 8
-    flops_per_token = 6 * 8_030_261_248 + 6 * 32 * 4096 * 4096
-    assert best["compute_seconds"] == pytest.approx(tokens_per_gpu * flops_per_token / (989e12 * 0.5))
+    # 4M tokens a step on 8 GPUs, at the FLOPs per token the chapters count for their MFU.
+    config = AutoConfig.from_pretrained(CONFIGS / "llama-3.1-8b")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    flops_per_token = load_script("11").get_flops_per_token(model, config, 4096)
+    assert best["compute_seconds"] == pytest.approx(1024 * 4096 / 8 * flops_per_token / (989e12 * 0.5))
     assert best["step_seconds"] == max(best["compute_seconds"] + best["bubble_seconds"] + best["exposed_seconds"],
                                        best["overlapped_seconds"])
     piped = [plan for plan in plans("llama-3.1-70b", "--nnodes", "8") if plan["pp"] > 1][0]
@@ -99,3 +122,16 @@ def test_the_layout_page_prints_what_the_tool_prints(env):
     shown = re.search(r"```\n(\d+ of \d+ layouts.*?)\n```", page, re.DOTALL).group(1)
     printed = run([sys.executable, *shlex.split(command)[1:]], env, REPO, timeout=300).stdout
     assert printed.startswith(shown + "\n"), printed[:600]
+
+
+# The page's table: each row's cluster, and its pick as the tool describes it, with the estimated peak.
+PAGE_ROWS = {"llama-3.1-8b": ["--nnodes", "1", "--seq-length", "4096"], "llama-3.1-70b": ["--nnodes", "8"],
+             "llama-3.1-405b": ["--nnodes", "2048", "--global-batch-size", "2048"]}
+
+
+@pytest.mark.parametrize("model", PAGE_ROWS)
+def test_the_layout_page_s_table_gives_the_tool_s_picks(model):
+    page = (REPO / "related-topics" / "choosing-a-layout.md").read_text()
+    best = plan_layout.Plan(**{name: value for name, value in plans(model, *PAGE_ROWS[model])[0].items()
+                               if name != "step_seconds"})
+    assert f"| {best.describe().split('; peak')[0]} | {best.peak_gb:.1f} GB |" in page, best.describe()

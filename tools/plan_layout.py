@@ -12,18 +12,22 @@ NCCL workspaces). 2. Reach the global batch: one sequence per micro-batch and da
 accumulation for the rest (the pipeline's micro-batches, with --pp); a layout whose data-parallel ranks do not divide
 --global-batch-size is left out. 3. Maximise throughput, with a model of a step's time:
 
-    compute   = FLOPs per GPU / (--peak-tflops x --mfu), FLOPs per token 6 x active parameters + 6 x layers x
-                hidden x sequence (causal attention, forward and backward), x 4/3 with activation checkpointing
+    compute   = FLOPs per GPU / (--peak-tflops x --mfu), with the chapters' FLOPs per token (the MFU they log):
+                6 x the active parameters but the input embedding + 12 x layers x heads x head size x sequence,
+                x 4/3 with activation checkpointing
     bubble    = compute x b / (1 - b), 1F1B's b = (p - 1) / (m + p - 1)
     exposed   = what the chapters wait for: tensor parallel's collectives, the pipeline's sends, the all-to-alls
     overlapped = what runs beside the compute: FSDP's and DDP's collectives, context parallel's ring
     step      = max(compute + bubble + exposed, overlapped)
 
 A collective's time is its bytes (estimate_memory's, per GPU) over the link's bandwidth, plus a latency per ring
-hop and call: --bandwidth-gbs and --latency-us give the link inside a node and between nodes. Tensor parallel stays
-inside a node; the mesh is (dp, pp, cp, tp) as in chapter 11, so a group that spans more GPUs than a node crosses
-nodes. The pipeline runs 1F1B, whose memory the estimator models; interleaving cuts the bubble (chapter 08) at a
-memory cost it does not. Every number is an estimate: dry-run the pick (tools/dry_run.py) before renting the cluster.
+hop and call (2(n - 1) hops for an all-reduce, n - 1 for the others): --bandwidth-gbs and --latency-us give the
+link inside a node and between nodes. Each chapter's mesh says which groups cross nodes: tensor parallel stays in a
+node, and a group whose ranks span more than a node's GPUs crosses. The ring's passes count as overlapped, which
+is optimistic at short sequences (each pass overlaps one block's attention only). The pipeline runs 1F1B, whose
+memory the estimator models, with gradients reduced per micro-batch or once a step (--pp-grad-reduce); interleaving
+cuts the bubble (chapter 08) at a memory cost it does not model. Every number is an estimate: dry-run the pick
+(tools/dry_run.py) before renting the cluster.
 """
 
 import argparse
@@ -99,6 +103,7 @@ class Plan:
     fsdp: bool
     zero1: bool
     activation_checkpointing: bool
+    pp_grad_reduce: str
     grad_accum: int
     peak_gb: float
     compute_seconds: float
@@ -124,7 +129,8 @@ class Plan:
         parts = [f"{kind} {self.dp}" if self.dp > 1 else "",
                  *(f"{name} {size}" for name, size in [("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
                                                         ("ep", self.ep)] if size > 1),
-                 "activation checkpointing" if self.activation_checkpointing else ""]
+                 "activation checkpointing" if self.activation_checkpointing else "",
+                 "gradients reduced once a step" if self.pp_grad_reduce == "step" else ""]
         return (f"chapter {self.chapter}: {', '.join(filter(None, parts))}; peak {self.peak_gb:.1f} GB; step "
                 f"{self.step_seconds:.2f} s (compute {self.compute_seconds:.2f}, bubble {self.bubble_seconds:.2f}, "
                 f"waits {self.exposed_seconds:.2f}, beside {self.overlapped_seconds:.2f})")
@@ -133,9 +139,12 @@ class Plan:
 def candidates(config, args, world_size, global_batch):
     experts = bool(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0)
                    or getattr(config, "n_routed_experts", 0))
+    # NOTE: chapters 08 and 11 refuse a tied embedding across pipeline stages.
+    stages = [1] if getattr(config, "tie_word_embeddings", False) else \
+        [2 ** power for power in range(8) if 2 ** power <= config.num_hidden_layers]
     for tp in [size for size in (1, 2, 4, 8) if args.nproc_per_node % size == 0]:
         for cp in [size for size in (1, 2, 4, 8) if args.seq_length % (2 * size) == 0]:
-            for pp in [2 ** power for power in range(8) if 2 ** power <= config.num_hidden_layers]:
+            for pp in stages:
                 if world_size % (tp * cp * pp) or global_batch % (world_size // (tp * cp * pp)):
                     continue
                 dp = world_size // (tp * cp * pp)
@@ -143,14 +152,16 @@ def candidates(config, args, world_size, global_batch):
                 if pp > 1 and grad_accum < pp:
                     continue   # 1F1B: a micro-batch per stage at least
                 for ep in expert_degrees(dp, tp, cp, pp, experts, config):
-                    # FSDP over the dp ranks (none at dp 1), with or without activation checkpointing; with no
-                    # other split, chapter 02's DDP and ZeRO-1 too (no activation checkpointing there).
-                    options = [(dp > 1, False, False), (dp > 1, False, True)]
-                    options += [(False, False, False), (False, True, False)] if dp > 1 and tp * cp * pp * ep == 1 \
-                        else []
-                    for fsdp, zero1, checkpointing in options:
-                        plan = estimate(config, args, world_size, dp, tp, pp, cp, ep, fsdp, zero1, checkpointing,
-                                        grad_accum, global_batch)
+                    chapter = pick_chapter(dp, tp, pp, cp, ep)
+                    # (chapter, zero1, activation checkpointing, --pp-grad-reduce); chapter 02 too, with no other
+                    # split: DDP and ZeRO-1, without activation checkpointing.
+                    options = [(chapter, False, checkpointing, reduce) for checkpointing in (False, True)
+                               for reduce in (["microbatch", "step"] if pp > 1 else ["microbatch"])]
+                    options += [("02", zero1, False, "microbatch") for zero1 in (False, True)] \
+                        if chapter == "04" and dp > 1 else []
+                    for chapter, zero1, checkpointing, reduce in options:
+                        plan = estimate(config, args, world_size, chapter, dp, tp, pp, cp, ep, zero1, checkpointing,
+                                        reduce, grad_accum, global_batch)
                         if plan is not None:
                             yield plan
 
@@ -163,45 +174,62 @@ def expert_degrees(dp, tp, cp, pp, experts, config):
     return [size for size in (1, 2, 4, 8, 16, 32, 64) if dp % size == 0 and count % size == 0]
 
 
-def estimate(config, args, world_size, dp, tp, pp, cp, ep, fsdp, zero1, checkpointing, grad_accum, global_batch):
-    layout = estimate_memory.Layout(dp=dp, zero1=zero1, fsdp=fsdp, tp=tp, pp=pp, cp=cp,
-                                    ep=ep if ep > 1 else None, activation_checkpointing=checkpointing, batch_size=1,
-                                    seq_length=args.seq_length, grad_accum=grad_accum, dtype="bfloat16")
+def estimate(config, args, world_size, chapter, dp, tp, pp, cp, ep, zero1, checkpointing, reduce, grad_accum,
+             global_batch):
+    # NOTE: every chapter but 02 and 06 shards with FSDP, at dp 1 too (over cp in chapters 09 and 11).
+    layout = estimate_memory.Layout(dp=dp, zero1=zero1, fsdp=chapter not in ("02", "06"), tp=tp, pp=pp, cp=cp,
+                                    ep=ep if ep > 1 else None, activation_checkpointing=checkpointing,
+                                    pp_grad_reduce=reduce, batch_size=1, seq_length=args.seq_length,
+                                    grad_accum=grad_accum, dtype="bfloat16")
     try:
         result = estimate_memory.estimate_step(config, layout)
     except SystemExit:
         return None   # a layout the chapters reject (a split that does not divide, a plan that does not cover)
-    dims = estimate_memory.model_dimensions(config)
     tokens_per_gpu = global_batch * args.seq_length / world_size
-    flops_per_token = 6 * result["num_active_parameters"] + 6 * dims.layers * dims.hidden * args.seq_length
-    compute = tokens_per_gpu * flops_per_token * (4 / 3 if checkpointing else 1) / (args.peak_tflops * 1e12 * args.mfu)
+    compute = tokens_per_gpu * flops_per_token(config, result, args.seq_length) * (4 / 3 if checkpointing else 1) / (
+        args.peak_tflops * 1e12 * args.mfu)
     bubble_share = result["pipeline_bubble"].get("1f1b", 0.0)
+    spans = group_spans(chapter, world_size, dp, tp, pp, cp, ep)
     exposed = overlapped = 0.0
     for name, group in result["comm_by_group"].items():
-        seconds = collective_seconds(group, crosses_nodes(name, args.nproc_per_node, world_size, tp, cp, pp, ep), args)
+        seconds = collective_seconds(group, spans.get(name, world_size) > args.nproc_per_node, args)
         if name in EXPOSED:
             exposed += seconds
         else:
             overlapped += seconds
-    chapter = "02" if dp > 1 and not fsdp else pick_chapter(dp, tp, pp, cp, ep)
-    return Plan(dp, tp, pp, cp, ep, fsdp, zero1, checkpointing, grad_accum, result["peak_bytes"] / 1e9, compute,
-                compute * bubble_share / (1 - bubble_share), exposed, overlapped, chapter,
-                command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing))
+    return Plan(dp, tp, pp, cp, ep, chapter not in ("02", "06"), zero1, checkpointing, reduce, grad_accum,
+                result["peak_bytes"] / 1e9, compute, compute * bubble_share / (1 - bubble_share), exposed, overlapped,
+                chapter, command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing, reduce))
 
 
-def crosses_nodes(group_name, nproc_per_node, world_size, tp, cp, pp, ep):
-    """Whether a group's ranks span nodes, on chapter 11's (dp, pp, cp, tp) mesh, tp innermost."""
-    span = {"tp": tp, "cp (ring attention)": tp * cp, "pp (stage to stage)": tp * cp * pp,
-            "ep (all-to-all)": ep}.get(group_name, world_size)
-    return span > nproc_per_node
+def flops_per_token(config, result, seq_length):
+    """The chapters' get_flops_per_token: 6 x the parameters a token uses but the input embedding (unless tied),
+    and attention's 12 x layers x heads x head size x sequence."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    embedding = 0 if getattr(config, "tie_word_embeddings", False) else config.vocab_size * config.hidden_size
+    return 6 * (result["num_active_parameters"] - embedding) + 12 * config.num_hidden_layers * heads * head_dim * \
+        seq_length
+
+
+def group_spans(chapter, world_size, dp, tp, pp, cp, ep):
+    """How many consecutive ranks each group's members span, on the chapter's mesh (the last dimension varies
+    fastest): 07 (dp, tp), 08 (pp, dp), 09 (dp, cp), 10 (edp, ep), 11 (dp, pp, cp, tp); a group spanning more than
+    a node's GPUs crosses nodes. FSDP shards over dp x cp in 09 and 11."""
+    fsdp = {"08": dp, "09": world_size if dp > 1 else cp, "11": world_size if dp > 1 else tp * cp}.get(chapter,
+                                                                                                        world_size)
+    return {"tp": tp, "cp (ring attention)": cp * (tp if chapter == "11" else 1),
+            "pp (stage to stage)": world_size if chapter == "08" else tp * cp * pp, "ep (all-to-all)": ep,
+            "dp (FSDP)": fsdp}
 
 
 def collective_seconds(group, between_nodes, args):
     bandwidth, latency = (args.bandwidth_gbs[1], args.latency_us[1]) if between_nodes else \
         (args.bandwidth_gbs[0], args.latency_us[0])
-    hops = sum(counts["calls"] * (1 if kind == "send" else group["group_size"] - 1)
+    hops = {"send": 1, "all_reduce": 2 * (group["group_size"] - 1)}
+    ring = sum(counts["calls"] * hops.get(kind, group["group_size"] - 1)
                for kind, counts in group["collectives"].items())
-    return group["sent_bytes"] / (bandwidth * 1e9) + hops * latency * 1e-6
+    return group["sent_bytes"] / (bandwidth * 1e9) + ring * latency * 1e-6
 
 
 def pick_chapter(dp, tp, pp, cp, ep):
@@ -216,12 +244,13 @@ def pick_chapter(dp, tp, pp, cp, ep):
     return "08" if pp > 1 else "09" if cp > 1 else "04"
 
 
-def command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing):
+def command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing, reduce):
     flags = ["-m", args.model_name, "--seq-length", str(args.seq_length), "--batch-size", "1", "--global-batch-size",
              str(global_batch)]
     flags += ["--zero1"] if zero1 else []
     flags += ["--tp", str(tp)] if chapter in ("07", "11") else []   # chapter 06: tp is the world size
     flags += ["--pp", str(pp)] if pp > 1 else []
+    flags += ["--pp-grad-reduce", "step"] if reduce == "step" else []
     flags += ["--cp", str(cp)] if cp > 1 else []
     flags += ["--ep", str(ep)] if ep > 1 else []
     flags += ["--activation-checkpointing"] if checkpointing else []
