@@ -67,12 +67,12 @@ def test_every_pick_is_a_command_its_chapter_accepts_with_the_picked_layout(mode
     config = AutoConfig.from_pretrained(CONFIGS / model)
     picked = plans(model, *cluster)
     world_size = int(cluster[1]) * 8
-    assert picked and {plan["chapter"] for plan in picked} <= set(plan_layout.CHAPTERS)
+    assert picked and {plan["chapter"] for plan in picked} <= {"02", "04", "06", "07", "08", "09", "10", "11"}
     for plan in picked:
         chapter, script, flags = command_words(plan["command"])
         module = load_script(chapter)
         args = module.get_parser().parse_args(flags)
-        assert chapter == plan["chapter"] and script == f"{plan_layout.CHAPTERS[chapter]}/train_llm.py"
+        assert chapter == plan["chapter"] and script == f"{plan_layout.CHAPTERS[chapter].name}/train_llm.py"
         assert args.global_batch_size == plan["dp"] * plan["grad_accum"] and args.batch_size == 1
         # NOTE: chapter 06 splits every layer over all its ranks: no --tp.
         tp = world_size if chapter == "06" else getattr(args, "tp", None) or 1

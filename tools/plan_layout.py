@@ -38,10 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import estimate_memory  # noqa: E402  (the memory model, one definition)
+from dry_run import CHAPTERS  # noqa: E402  (each chapter's folder, by its number)
 
-CHAPTERS = {"02": "02-distributed-data-parallel", "04": "04-fully-sharded-data-parallel", "06": "06-tensor-parallel",
-            "07": "07-2d-parallel", "08": "08-pipeline-parallel", "09": "09-context-parallel",
-            "10": "10-expert-parallel", "11": "11-4d-parallel"}
 # The groups whose collectives the chapters wait for; FSDP's, DDP's and the ring's run beside the compute.
 EXPOSED = ("tp", "pp (stage to stage)", "ep (all-to-all)")
 
@@ -255,7 +253,7 @@ def command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing, r
     flags += ["--ep", str(ep)] if ep > 1 else []
     flags += ["--activation-checkpointing"] if checkpointing else []
     flags += ["--compile"] if chapter != "02" else []
-    script = f"{CHAPTERS[chapter]}/train_llm.py"
+    script = f"{CHAPTERS[chapter].name}/train_llm.py"
     if args.nnodes == 1:
         return " ".join(["torchrun --standalone --nproc-per-node", str(args.nproc_per_node), script, *flags])
     return " ".join([f"TRAIN_SCRIPT={script} sbatch --nodes {args.nnodes} --gpus-per-node {args.nproc_per_node}",
