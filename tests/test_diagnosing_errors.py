@@ -176,11 +176,13 @@ def job_section(output, script):
 
 
 def wait_for_hang(command, env, cwd, script, first, second, timeout=150):
-    """Run dump_hang until the job shows `first` (the odd rank's "waits at") and then `second`; return that part."""
+    """Run dump_hang until the job shows `first` (the odd rank's "waits at") and then `second`, and no rank anywhere
+    else (a rank still starting up on a busy machine is not part of the hang yet); return that part."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         section = job_section(run(command, env, cwd, timeout=60).output, script)
-        if first in section and second in section.split(first, 1)[1]:
+        waits = re.findall(r"waits at \S+:\d+ in \w+", section)
+        if first in section and second in section.split(first, 1)[1] and set(waits) <= {first, second}:
             return section
         time.sleep(1)
     raise AssertionError(f"no hang like {first!r} within {timeout} s; last dump:\n{section}")
