@@ -1,13 +1,14 @@
 """Chapters 04 to 11 with --compile --activation-checkpointing: each trains as chapter 01 does (fp32 on the CPU:
 losses within 1e-4, gradient norms within 1e-3 relative), with a graph per layer and no graph break (every layer
-compiles with fullgraph=True, so a break would stop the run), and chapters 04 and 11 resume exactly.
+compiles with fullgraph=True, so a break would stop the run), and each resumes exactly.
 
 On the CPU inductor compiles C++ for each graph (tens of seconds on 2 cores): the chapters compile with aot_eager
 (dynamo and AOT autograd, the same graphs without inductor's code generation; tests/faults' COMPILE_BACKEND), and
-inductor runs in 05 (its layer compiled whole, as in 04 and 06-08; the suite's time budget leaves the other
-chapters to aot_eager). One job of
-tests/many_runs.py per chapter runs its uninterrupted run, then (04 and 11) a run stopped after step 3 and its
-resumption. The tiny Llama of the family matrix (tests/helpers.py), on the first 15 texts of the corpus.
+inductor runs in 05 (01-05's lineage: its layer compiled whole, as in 04, 08 and 10) and 07 (04-06-07-11's: the
+layer's DTensor graphs under tensor parallelism). Inductor in 08, 09 and 10 as well would add about 45 s each to
+the suite, over its budget. One job of tests/many_runs.py per chapter runs its uninterrupted runs (11: two
+layouts, one with tensor parallelism), then a run stopped after step 3 and its resumption. The tiny Llama of the
+family matrix (tests/helpers.py), on the first 15 texts of the corpus.
 """
 
 import pytest
@@ -18,57 +19,62 @@ from helpers import (FAMILIES, GRAD_NORM_TOLERANCE, MANY_RUNS, family_folder_nam
 STEPS, HALF = 6, 3
 ARGS = ["--seq-length", "32", "--max-steps", str(STEPS), "--wandb-mode", "disabled"]
 FLAGS = ["--compile", "--activation-checkpointing"]
-# chapter: (processes, the layout's flags, the family, the backend, whether it resumes); a global batch of 4.
+# chapter: (processes, the layouts' flags (the first one resumes), the family, the backend); a global batch of 4.
 CASES = {
-    "04": (2, ["--batch-size", "2"], "Llama", "aot_eager", True),
-    "05": (2, ["--batch-size", "2", "--eval-fraction", "0"], "Llama", "inductor", False),
-    "06": (2, ["--batch-size", "4"], "Llama", "aot_eager", False),
-    "07": (2, ["--tp", "2", "--batch-size", "4"], "Llama", "aot_eager", False),
-    "08": (2, ["--pp", "2", "--batch-size", "4"], "Llama", "aot_eager", False),
-    "09": (2, ["--cp", "2", "--batch-size", "4"], "Llama", "aot_eager", False),
-    "10": (2, ["--ep", "2", "--batch-size", "2"], "Mixtral (MoE)", "aot_eager", False),
-    "11": (4, ["--pp", "2", "--cp", "2", "--batch-size", "4"], "Llama", "aot_eager", True),
+    "04": (2, [["--batch-size", "2"]], "Llama", "aot_eager"),
+    "05": (2, [["--batch-size", "2", "--eval-fraction", "0"]], "Llama", "inductor"),
+    "06": (2, [["--batch-size", "4"]], "Llama", "aot_eager"),
+    "07": (2, [["--tp", "2", "--batch-size", "4"]], "Llama", "inductor"),
+    "08": (2, [["--pp", "2", "--batch-size", "4"]], "Llama", "aot_eager"),
+    "09": (2, [["--cp", "2", "--batch-size", "4"]], "Llama", "aot_eager"),
+    "10": (2, [["--ep", "2", "--batch-size", "2"]], "Mixtral (MoE)", "aot_eager"),
+    "11": (4, [["--pp", "2", "--cp", "2", "--batch-size", "4"], ["--tp", "2", "--pp", "2", "--batch-size", "4"]],
+           "Llama", "aot_eager"),
 }
 
 
 def compiled_job(runs, env, chapter, family_models):
-    """The chapter's compiled runs in one job: {"straight": metrics, "resumed": metrics or None, "counts": lines}."""
+    """The chapter's compiled runs in one job: {"straight": [metrics per layout], "resumed": metrics, "exits": ...,
+    "graphs": {run: [(graphs, breaks) per rank]}}."""
     import json
     import re
 
-    nproc, flags, family, backend, resumes = CASES[chapter]
+    nproc, layouts, family, backend = CASES[chapter]
     experiment = f"compiled-{chapter}"
-    job = [["-e", f"{experiment}-straight"]]
-    if resumes:
-        job += [["-e", f"{experiment}-resumed", "--exit-after-steps", str(HALF)], ["-e", f"{experiment}-resumed"]]
+    job = [[*flags, "-e", f"{experiment}-straight-{number}"] for number, flags in enumerate(layouts)]
+    job += [[*layouts[0], "-e", f"{experiment}-resumed", "--exit-after-steps", str(HALF)],
+            [*layouts[0], "-e", f"{experiment}-resumed"]]
     runs_file = runs.workdir / f"{experiment}.json"
     runs_file.write_text(json.dumps(job))
-    result, _ = runs.train(chapter, with_faults(env, COMPILE_BACKEND=backend), *ARGS, *flags, *FLAGS, "-m",
+    result, _ = runs.train(chapter, with_faults(env, COMPILE_BACKEND=backend), *ARGS, *FLAGS, "-m",
                            family_models[family], "-d", family_models["corpus"], nproc=nproc,
                            launcher=[*torchrun(nproc), MANY_RUNS, runs_file])
-    outputs = runs.workdir / "outputs"
-    return {"straight": read_metrics(outputs / f"{experiment}-straight"),
-            "resumed": read_metrics(outputs / f"{experiment}-resumed") if resumes else None,
+    outputs, counts = runs.workdir / "outputs", re.findall(r"\[rank \d+\] run (\d+): graphs (\d+), breaks (\d+)",
+                                                            result.stdout)
+    return {"straight": [read_metrics(outputs / f"{experiment}-straight-{number}") for number in range(len(layouts))],
+            "resumed": read_metrics(outputs / f"{experiment}-resumed"),
             "exits": re.findall(r"\[rank \d+\] run \d+: (exit \d+)", result.stdout),
-            "graphs": re.findall(r"\[rank \d+\] run 0: graphs (\d+), breaks (\d+)", result.stdout)}
+            "graphs": {run: [(int(graphs), int(breaks)) for number, graphs, breaks in counts if int(number) == run]
+                       for run in range(len(job))}}
 
 
 @pytest.mark.parametrize("chapter", CASES)
 def test_compiled_checkpointed_layers_train_as_chapter_01_and_resume_exactly(runs, env, family_models, chapter):
-    nproc, _, family, backend, resumes = CASES[chapter]
+    nproc, layouts, family, backend = CASES[chapter]
     _, reference = runs.train("01", env, *ARGS, "--batch-size", "4", "-m", family_models[family], "-d",
                               family_models["corpus"])
     expected, job = read_metrics(reference), compiled_job(runs, env, chapter, family_models)
-    straight = job["straight"]
-    losses = max(abs(a["loss"] - b["loss"]) for a, b in zip(straight, expected))
-    norms = max(abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(straight, expected))
-    print(f"\n{chapter} compiled ({backend}) with activation checkpointing vs chapter 01: losses {losses:.1e}, "
-          f"gradient norms {norms:.1e}; dynamo's graphs and breaks per rank: {job['graphs']}")
-    assert set(job["exits"]) == {"exit 0"}, job["exits"]
-    assert len(straight) == len(expected) == STEPS and losses <= 1e-4 and norms <= 1e-3
-    # The positive control: each rank compiled graphs (one for all layers, and their recompilations), none broken.
-    assert len(job["graphs"]) == nproc and all(int(graphs) >= 1 and breaks == "0" for graphs, breaks in job["graphs"])
-    if resumes:
-        # The resumed run's steps are the uninterrupted run's, exactly.
-        assert [(record["loss"], record["grad_norm"]) for record in job["resumed"]] == \
-               [(record["loss"], record["grad_norm"]) for record in straight]
+    assert set(job["exits"]) == {"exit 0"} and len(job["exits"]) == nproc * (len(layouts) + 2), job["exits"]
+    for number, (flags, straight) in enumerate(zip(layouts, job["straight"])):
+        losses = max(abs(a["loss"] - b["loss"]) for a, b in zip(straight, expected))
+        norms = max(abs(a["grad_norm"] / b["grad_norm"] - 1) for a, b in zip(straight, expected))
+        print(f"\n{chapter} {' '.join(flags)} compiled ({backend}) with activation checkpointing vs chapter 01: "
+              f"losses {losses:.1e}, gradient norms {norms:.1e}; dynamo's graphs and breaks per rank: {job['graphs'][number]}")
+        assert len(straight) == len(expected) == STEPS and losses <= 1e-4 and norms <= 1e-3
+    # The positive control: each layout's ranks compiled graphs (one for all layers, and their recompilations); no run
+    # broke one.
+    assert all(len(counts) == nproc and not any(breaks for _, breaks in counts) for counts in job["graphs"].values())
+    assert all(graphs >= 1 for number in range(len(layouts)) for graphs, _ in job["graphs"][number])
+    # The resumed run's steps are the uninterrupted run's, exactly.
+    assert [(record["loss"], record["grad_norm"]) for record in job["resumed"]] == \
+           [(record["loss"], record["grad_norm"]) for record in job["straight"][0]]
