@@ -576,9 +576,9 @@ def check_pipeline_layout(args, world_size, config):
             f"rank, not --pp-stages-per-rank {stages_per_rank}; use interleaved-1f1b")
     require(one_stage_per_rank or stages_per_rank >= 2, f"--pp-schedule {args.pp_schedule} needs 2 or more "
             f"--pp-stages-per-rank, not {stages_per_rank}; or use --pp-schedule 1f1b")
-    # NOTE: zero bubble computes weight gradients apart, later; torch cannot split a compiled backward.
-    require(args.pp_schedule != "interleaved-zb" or (args.pp_grad_reduce == "step" and not args.compile),
-            "--pp-schedule interleaved-zb reduces gradients once a step; use --pp-grad-reduce step, without --compile")
+    require(args.pp_schedule != "interleaved-zb" or args.pp_grad_reduce == "step" and not args.compile
+            and not args.activation_checkpointing, "--pp-schedule interleaved-zb splits each backward in two; use "
+            "--pp-grad-reduce step, without --compile or --activation-checkpointing")
     num_stages, num_layers = args.pp * stages_per_rank, config.num_hidden_layers
     require(num_stages <= num_layers, f"{num_stages} pipeline stages (--pp {args.pp} x {stages_per_rank} per rank) "
             f"for {num_layers} decoder layers; use at most {num_layers}, or a smaller --pp")

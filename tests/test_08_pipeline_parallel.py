@@ -375,8 +375,13 @@ LAYOUT_ERRORS = {
                            "5 micro-batches a step (--pp-microbatches x --grad-accum) cannot make 2 equal rounds of "
                            "interleaved-1f1b; use a multiple of --pp 2"),
     "zero bubble reducing in every micro-batch": (2, ["--pp", "2", "--pp-schedule", "interleaved-zb"], {},
-                                                  "--pp-schedule interleaved-zb reduces gradients once a step; use "
-                                                  "--pp-grad-reduce step, without --compile"),
+                                                  "--pp-schedule interleaved-zb splits each backward in two; use "
+                                                  "--pp-grad-reduce step, without --compile or "
+                                                  "--activation-checkpointing"),
+    # NOTE: a checkpointed layer recomputes its forward in the input backward and again in the weight backward.
+    "zero bubble with checkpointed layers": (2, ["--pp", "2", "--pp-schedule", "interleaved-zb", "--pp-grad-reduce",
+                                                 "step", "--activation-checkpointing"], {},
+                                             "--pp-schedule interleaved-zb splits each backward in two"),
     "tied embeddings across stages": (2, ["--pp", "2"], {"tie_word_embeddings": True},
                                       "tie_word_embeddings: the first and last stages cannot share one weight"),
 }
@@ -399,6 +404,27 @@ def test_every_layout_that_cannot_be_made_is_named(case, monkeypatch):
     # The same layout with what is wrong taken away passes the check.
     if config_changes:
         chapter.check_pipeline_layout(args, world_size, AutoConfig.from_pretrained(TINY_MODEL))
+
+
+def test_zero_bubble_runs_a_checkpointed_layer_three_times_so_the_pair_is_refused():
+    """torch's zero-bubble backward, an input pass and then a weight pass, recomputes a checkpointed layer in each: the
+    reason check_pipeline_layout() refuses --activation-checkpointing with interleaved-zb (lift it when this fails)."""
+    import torch
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils.checkpoint import checkpoint
+
+    layer, forwards = torch.nn.Linear(8, 8), []
+
+    def forward(hidden_states):
+        forwards.append(1)
+        return torch.relu(layer(hidden_states)).square()
+
+    hidden_states = torch.randn(4, 8, requires_grad=True)
+    output = checkpoint(forward, hidden_states, use_reentrant=False)
+    _, weight_groups = stage_backward_input([output], [torch.ones_like(output)], [hidden_states], layer.parameters())
+    assert len(forwards) == 2 and layer.weight.grad is None
+    stage_backward_weight(layer.parameters(), weight_groups)
+    assert len(forwards) == 3 and layer.weight.grad.abs().sum() > 0
 
 
 def test_the_readme_cpu_commands_are_layouts_tested_here():

@@ -206,17 +206,17 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
             raise DryRunDone
 
     # NOTE: a fake process group cannot carry the stages' shape exchange (a vote, then pickled metadata): every stage
-    # votes alike, stage s+1 sends back the gradients' metadata of what stage s sent it, and stage s gets from s-1
-    # (chapter 08) a micro-batch of hidden states in the compute dtype (FSDP's param_dtype, the embedding's output's).
+    # votes alike, stage s+1 sends back the gradients' metadata of what stage s sent it, and stage s gets from s-1 a
+    # micro-batch of hidden states in the compute dtype (FSDP's param_dtype), its tokens (over cp) split over tp in 11.
     sent_metas = {}
 
     def hidden_states_meta(stage):
         args = found["args"]
         micro_batch = args.batch_size // (args.pp_microbatches or args.batch_size)
         dtype = stage.submod._get_fsdp_state()._mp_policy.param_dtype or torch.float32
-        return extract_tensor_meta(torch.empty(micro_batch, stage.submod.position_ids.shape[-1],
-                                               found["model"].config.hidden_size, dtype=dtype, device="meta",
-                                               requires_grad=True))
+        tokens = stage.submod.position_ids.shape[-1] // getattr(args, "tp", 1)
+        return extract_tensor_meta(torch.empty(micro_batch, tokens, found["model"].config.hidden_size, dtype=dtype,
+                                               device="meta", requires_grad=True))
 
     def warmup_forward_vote(stage, has_backward, received_acc=None):
         stage.dry_run_vote = 0 if InferenceMode.needs_dynamic(stage._user_meta, has_backward) else 1
@@ -226,14 +226,12 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         return types.SimpleNamespace(item=lambda: stage.dry_run_vote)  # NOTE: the vote's only use: .item()
 
     def send_meta(stage, meta, dst_stage):
-        sent_metas[dst_stage] = meta
+        sent_metas[stage.stage_index, dst_stage] = meta
 
     def recv_meta(stage, src_stage):
         if src_stage > stage.stage_index:
-            return _StageBackwardMeta(backward_metas=_derive_grad_metas(sent_metas[src_stage].forward_metas))
-        if chapter != "08":
-            raise SystemExit(f"error: rank {rank} runs pipeline stage {stage.stage_index}, whose inputs' shapes only "
-                             "the stage before it can tell; dry-run a rank of the first stage (e.g. --rank 0)")
+            return _StageBackwardMeta(backward_metas=_derive_grad_metas(
+                sent_metas[stage.stage_index, src_stage].forward_metas))
         return _StageForwardMeta(forward_metas=(hidden_states_meta(stage),))
 
     def untracked_backward(metadata_inference):
@@ -243,6 +241,13 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
             with patched(mod_tracker, "register_multi_grad_hook", lambda *_, **__: None):
                 return metadata_inference(*args, **kwargs)
         return run
+
+    def leaf_safe_grad_hook(tensors, fn, mode="all"):
+        # NOTE: zero bubble's input backward is an autograd.grad() over the stage's received hidden states, a leaf, on
+        # which the tracker's multi-grad hook fails; the leaf's own tensor hook fires there (one tensor: the same call).
+        if len(tensors) == 1 and tensors[0].grad_fn is None:
+            return tensors[0].register_hook(fn)
+        return register_multi_grad_hook(tensors, fn, mode=mode)
 
     def balanced_experts(experts, hidden_states, top_k_index, top_k_weights, ep_group):
         # NOTE: a fake tensor has no values for the host to read: chapter 10's split sizes are answered as balanced
@@ -257,6 +262,7 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         return original_tolist(tensor)
 
     expert_parallel_experts, original_tolist = getattr(module, "expert_parallel_experts", None), FakeTensor.tolist
+    register_multi_grad_hook = mod_tracker.register_multi_grad_hook
     patches = dict(
         get_distributed_environment=lambda timeout: ("dry run", rank, rank % nproc_per_node, world_size),
         rank_zero_first=contextlib.nullcontext, init_weights=init_weights,
@@ -286,6 +292,7 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         exit_stack.enter_context(patched(module.wandb, "finish", lambda *a, **k: None))
         exit_stack.enter_context(patched(torch.nn.Module, "to_empty", to_empty))
         exit_stack.enter_context(patched(FakeTensor, "tolist", tolist))
+        exit_stack.enter_context(patched(mod_tracker, "register_multi_grad_hook", leaf_safe_grad_hook))
         for name, value in [("_warmup_forward_vote", warmup_forward_vote), ("_send_meta", send_meta),
                             ("_warmup_backward_result", warmup_backward_result), ("_recv_meta", recv_meta)]:
             exit_stack.enter_context(patched(PipelineStage, name, value))
