@@ -291,6 +291,15 @@ def processes_with_marker(marker):
     return found
 
 
+def free_port():
+    """A TCP port free on this machine now (a rendezvous or store port for a test's job)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
 def with_faults(env, **variables):
     """env with the faults of tests/faults/sitecustomize.py switched on by these variables.
 

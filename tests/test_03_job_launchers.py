@@ -24,8 +24,8 @@ import uuid
 import pytest
 
 from helpers import (CHAPTERS, FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, SLOWDOWN, check_family_matrix,
-                     cold_start, error_line, grad_norm_difference, loss_and_weight_differences, read_losses, run,
-                     run_together, script, with_faults)
+                     cold_start, error_line, free_port, grad_norm_difference, loss_and_weight_differences,
+                     read_losses, run, run_together, script, with_faults)
 
 CHAPTER = REPO / CHAPTERS["03"]
 FAULTS = REPO / "tests" / "faults"
@@ -112,12 +112,6 @@ def cancel_job(name, env):
         if queued.returncode == 0 and not queued.stdout.strip():
             return
         time.sleep(1)
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def torchrun_agent(port, rdzv_id, *torchrun_args):

@@ -7,6 +7,7 @@ learning-rate schedule depends on --max-steps, so runs compare only at the same 
 """
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -17,10 +18,10 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from helpers import (GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, check_family_matrix, checkpoint_weights,
-                     cold_start, error_line, grad_norm_difference, load_script, logged_parameter_count, logged_step,
-                     max_difference, memory_held, read_losses, read_metrics, run, train, train_until_signalled,
-                     with_faults)
+from helpers import (FAST_ARGS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, TINY_MODEL, check_family_matrix,
+                     checkpoint_weights, cold_start, error_line, free_port, grad_norm_difference, load_script,
+                     logged_parameter_count, logged_step, max_difference, memory_held, processes_with_marker,
+                     read_losses, read_metrics, run, run_together, train, train_until_signalled, with_faults)
 
 CONVERT = REPO / "04-fully-sharded-data-parallel" / "convert_to_hf.py"
 TEN_STEPS = ["--max-steps", "10", "--wandb-mode", "disabled"]
@@ -293,6 +294,55 @@ def test_an_elastic_restart_on_3_ranks_of_a_2_rank_job_keeps_the_global_batch_an
     # NOTE: a weight whose gradient is ~0 moves by its rounding noise over AdamW's running size of it, up to lr:
     # measured 9.0e-5; 2e-4, as chapters 07 and 08 bound FSDP's weights against chapter 01's.
     assert weight_difference <= 2e-4
+
+
+# NOTE: long (about 40 s): two cold agents, the survivor's restart (cold) and 10 slowed steps.
+def test_a_live_elastic_job_that_loses_a_node_goes_on_alone_with_chapter_01s_curve(runs, env, tmp_path):
+    """related-topics/elastic-training.md's experiment: two torchrun agents of one worker each (--nnodes 1:2,
+    --max-restarts 1, c10d rendezvous hosted by node A), --batch-size 2 --global-batch-size 4. Node B, agent and
+    worker, is killed once checkpoint 4 exists; node A's worker fails, its agent re-forms the job at world size 1, which
+    resumes and accumulates 2 micro-batches a step: the curve is chapter 01's at batch 4, and A exits 0."""
+    import time
+
+    port, experiment = free_port(), tmp_path / "outputs" / "elastic-live"
+    # NOTE: 1 s keep-alives and last call: torchrun's defaults (5 s x 3, 30 s) are for real nodes.
+    rendezvous = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+             "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+             "elastic-live", "--local-addr", "127.0.0.1"]
+    args = [REPO / "04-fully-sharded-data-parallel" / "train_llm.py", *FAST_ARGS, *TEN_STEPS, "--batch-size", 2,
+            "--global-batch-size", 4, "--ckpt-freq", 2, "-e", "elastic-live"]
+    # NOTE: slowed steps, so that B dies mid-run; B's marker extends A's, so the test's clean-up finds both.
+    node_env = with_faults(cold_start(env), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                           FAULT_SLEEP_ON_CALL="torch.nn.utils.clip_grad_norm_:0.5:every")
+    node_b_env = {**node_env, "TEST_PROCESS_MARKER": f"{env['TEST_PROCESS_MARKER']}-node-b"}
+    killed = {}
+
+    def kill_node_b(processes):
+        deadline = time.monotonic() + 300
+        while not (experiment / "checkpoint-00000004").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        killed["at"] = time.monotonic()
+        for pid in processes_with_marker(node_b_env["TEST_PROCESS_MARKER"]):
+            os.kill(pid, signal.SIGKILL)
+
+    started = time.monotonic()
+    node_a, _ = run_together([[*agent, "--rdzv-conf", f"is_host=true,{rendezvous}", *args],
+                              [*agent, "--rdzv-conf", f"is_host=false,{rendezvous}", *args]],
+                             [node_env, node_b_env], tmp_path, timeout=600, while_running=kill_node_b)
+    output = node_a.stdout + node_a.stderr
+    assert node_a.returncode == 0, output[-5000:]
+    assert "rank 0 of 2 (local rank 0)" in output and "rank 0 of 1 (local rank 0)" in output, output[-5000:]
+    resumed = re.search(r"resumed from \S+/checkpoint-0000000(\d) at step", output)
+    assert resumed and int(resumed.group(1)) >= 4, output[-5000:]
+    _, single = chapter01(runs, env, 4)
+    loss_difference = max_difference(read_losses(single), read_losses(experiment))
+    norm_difference = grad_norm_difference(single, experiment, clipped=True)
+    print(f"\nlive elastic job: node B killed {killed['at'] - started:.0f} s in, node A resumed alone from step "
+          f"{resumed.group(1)} and ended {time.monotonic() - killed['at']:.0f} s later; vs chapter 01 at batch 4: "
+          f"largest loss difference {loss_difference:.1e}, relative gradient norm difference {norm_difference:.1e}")
+    assert [record["step"] for record in read_metrics(experiment)] == list(range(1, 11))
+    assert loss_difference <= 1e-5 and norm_difference <= GRAD_NORM_TOLERANCE
 
 
 def test_resume_on_3_ranks_with_a_larger_global_batch_continues_the_curve(runs, resumed_runs, env):

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from helpers import processes_with_marker
-from helpers import REPO, cold_start
+from helpers import REPO, cold_start, free_port
 
 CHAPTER = REPO / "diagnosing-errors"
 
@@ -118,12 +117,6 @@ class Job:
 
 def run(command, env, cwd, timeout=180):
     return Job(command, env, cwd).wait(timeout)
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def start_seconds(env, cwd):
