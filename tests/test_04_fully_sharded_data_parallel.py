@@ -302,6 +302,7 @@ def test_a_live_elastic_job_that_loses_a_node_goes_on_alone_with_chapter_01s_cur
     --max-restarts 1, c10d rendezvous hosted by node A), --batch-size 2 --global-batch-size 4. Node B, agent and
     worker, is killed once checkpoint 4 exists; node A's worker fails, its agent re-forms the job at world size 1, which
     resumes and accumulates 2 micro-batches a step: the curve is chapter 01's at batch 4, and A exits 0."""
+    import datetime
     import time
 
     port, experiment = free_port(), tmp_path / "outputs" / "elastic-live"
@@ -322,7 +323,7 @@ def test_a_live_elastic_job_that_loses_a_node_goes_on_alone_with_chapter_01s_cur
         deadline = time.monotonic() + 300
         while not (experiment / "checkpoint-00000004").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        killed["at"] = time.monotonic()
+        killed["at"], killed["clock"] = time.monotonic(), datetime.datetime.now()
         for pid in processes_with_marker(node_b_env["TEST_PROCESS_MARKER"]):
             os.kill(pid, signal.SIGKILL)
 
@@ -333,13 +334,16 @@ def test_a_live_elastic_job_that_loses_a_node_goes_on_alone_with_chapter_01s_cur
     output = node_a.stdout + node_a.stderr
     assert node_a.returncode == 0, output[-5000:]
     assert "rank 0 of 2 (local rank 0)" in output and "rank 0 of 1 (local rank 0)" in output, output[-5000:]
-    resumed = re.search(r"resumed from \S+/checkpoint-0000000(\d) at step", output)
-    assert resumed and int(resumed.group(1)) >= 4, output[-5000:]
+    resumed = re.search(r"^(\d\d:\d\d:\d\d) \[rank 0\] INFO resumed from \S+/checkpoint-0000000(\d) at step", output,
+                        re.MULTILINE)
+    assert resumed and int(resumed.group(2)) >= 4, output[-5000:]
+    resumed_at = datetime.datetime.combine(killed["clock"].date(), datetime.time.fromisoformat(resumed.group(1)))
     _, single = chapter01(runs, env, 4)
     loss_difference = max_difference(read_losses(single), read_losses(experiment))
     norm_difference = grad_norm_difference(single, experiment, clipped=True)
-    print(f"\nlive elastic job: node B killed {killed['at'] - started:.0f} s in, node A resumed alone from step "
-          f"{resumed.group(1)} and ended {time.monotonic() - killed['at']:.0f} s later; vs chapter 01 at batch 4: "
+    print(f"\nlive elastic job: node B killed {killed['at'] - started:.0f} s in; node A resumed alone from step "
+          f"{resumed.group(2)} {(resumed_at - killed['clock']).total_seconds():.0f} s after the kill (to the second) "
+          f"and ended {time.monotonic() - killed['at']:.0f} s after it; vs chapter 01 at batch 4: "
           f"largest loss difference {loss_difference:.1e}, relative gradient norm difference {norm_difference:.1e}")
     assert [record["step"] for record in read_metrics(experiment)] == list(range(1, 11))
     assert loss_difference <= 1e-5 and norm_difference <= GRAD_NORM_TOLERANCE
