@@ -1333,7 +1333,11 @@ def fill_readmes(card_dir):
     speed = f": chapter 01 trains at {first_row[3].strip()} tokens/s, {first_row[4].strip()} MFU" if first_row else ""
     write_section(REPO / "README.md", f"Measured on {headline[1]} on {headline[2].strip()} with {headline[3]}{speed}. "
                   f"The card: [{display_path(card_md)}]({display_path(card_md)}); each chapter's README has its rows.")
-    header = [line for line in body.split("\n\n")[0].splitlines() if line.startswith("**")]
+    # NOTE: the card's header once, in the card; a chapter's section names the machine and the model its rows ran.
+    source = (f"From [`{display_path(card_md)}`](../{display_path(card_md)}) (its header: the software, the matmul "
+              f"ceiling that \"of ceiling\" divides by, and the method), written by `dev/gpu_card.py`: edit the card, not this section. "
+              f"{headline[1]} on {headline[2].strip()} with {headline[3]}.")
+    header = [line for line in body.split("\n\n")[0].splitlines() if line.startswith("**Model**")]
     for readme in sorted(REPO.glob("[0-9][0-9]-*/README.md")):
         chapter = readme.parent.name
         rows = [line for line in body.splitlines() if line.startswith(f"| {chapter} |")]
