@@ -34,8 +34,8 @@ CASES = {
 
 
 def compiled_job(runs, env, chapter, family_models):
-    """The chapter's compiled runs in one job: {"straight": [metrics per layout], "resumed": metrics, "exits": ...,
-    "graphs": {run: [(graphs, breaks) per rank]}}."""
+    """The chapter's compiled runs in one job: {"straight": [metrics per layout], "resumed": metrics, "resumed_lines":
+    records it logged, "exits": ..., "graphs": {run: [(graphs, breaks) per rank]}}."""
     import json
     import re
 
@@ -53,6 +53,7 @@ def compiled_job(runs, env, chapter, family_models):
                                                             result.stdout)
     return {"straight": [read_metrics(outputs / f"{experiment}-straight-{number}") for number in range(len(layouts))],
             "resumed": read_metrics(outputs / f"{experiment}-resumed"),
+            "resumed_lines": len((outputs / f"{experiment}-resumed" / "metrics.jsonl").read_text().splitlines()),
             "exits": re.findall(r"\[rank \d+\] run \d+: (exit \d+)", result.stdout),
             "graphs": {run: [(int(graphs), int(breaks)) for number, graphs, breaks in counts if int(number) == run]
                        for run in range(len(job))}}
@@ -75,6 +76,8 @@ def test_compiled_checkpointed_layers_train_as_chapter_01_and_resume_exactly(run
     # broke one.
     assert all(len(counts) == nproc and not any(breaks for _, breaks in counts) for counts in job["graphs"].values())
     assert all(graphs >= 1 for number in range(len(layouts)) for graphs, _ in job["graphs"][number])
-    # The resumed run's steps are the uninterrupted run's, exactly.
+    # The resumed run's steps are the uninterrupted run's, exactly, and it logged each step once: it resumed, it did
+    # not start again.
     assert [(record["loss"], record["grad_norm"]) for record in job["resumed"]] == \
            [(record["loss"], record["grad_norm"]) for record in job["straight"][0]]
+    assert job["resumed_lines"] == STEPS, job["resumed_lines"]

@@ -92,7 +92,6 @@ def test_tiny_pipeline_dry_run_of_every_stage_holds_what_a_real_gloo_run_holds(e
         assert buffers <= dry["held"]["Activation"] < buffers + 4 * 64 * 8 + 64, dry["held"]
 
 
-@pytest.mark.quick
 def test_a_rank_of_two_stages_holds_what_a_real_gloo_run_holds(env, tmp_path):
     """Chapter 11 at tp 2 x pp 2, interleaved 1F1B (the 405B command's schedule), rank 0 (stages 0 and 2 of 4): the
     tool answers stage 2's shape exchange, hidden states split over tp."""
@@ -100,6 +99,7 @@ def test_a_rank_of_two_stages_holds_what_a_real_gloo_run_holds(env, tmp_path):
                                                     "interleaved-1f1b", "--pp-grad-reduce", "step")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("chapter, layout", [("04", []), ("11", ["--tp", "2", "--pp", "2"])])
 def test_the_estimate_beside_a_dry_run_reads_the_global_batch_as_the_chapter_does(chapter, layout):
     """--global-batch-size 16 on 8 ranks of 1-sequence micro-batches is --grad-accum 2 x dp 8, or 4 x dp 4 (tp 2),

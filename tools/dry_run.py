@@ -27,7 +27,7 @@ Beside them: tools/estimate_memory.py's prediction for the same layout.
 On the CPU the chapters compute in float32 unless told; a dry run is for a GPU job, so it passes --dtype bfloat16
 unless the arguments give a --dtype. Limits: a fake collective moves nothing, so values (losses, gradient norms)
 mean nothing; a pipeline stage cannot learn its neighbours' shapes, so the tool answers the shape exchange (for
-every stage of chapter 08, for the first stage only in chapter 11); peaks are sums of tensor sizes (no allocator
+every stage of chapters 08 and 11, two stages on one rank too); peaks are sums of tensor sizes (no allocator
 rounding or fragmentation, no CUDA/NCCL workspace); --cpu-offload needs CUDA, which the dry run does not fake. The
 tracker's activations are those alive at the peak, the estimator's all that forward saves: compare the peaks.
 """
@@ -214,7 +214,7 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         args = found["args"]
         micro_batch = args.batch_size // (args.pp_microbatches or args.batch_size)
         dtype = stage.submod._get_fsdp_state()._mp_policy.param_dtype or torch.float32
-        tokens = stage.submod.position_ids.shape[-1] // getattr(args, "tp", 1)
+        tokens = stage.submod.position_ids.shape[-1] // found.get("tp_degree", 1)
         return extract_tensor_meta(torch.empty(micro_batch, tokens, found["model"].config.hidden_size, dtype=dtype,
                                                device="meta", requires_grad=True))
 
@@ -261,8 +261,14 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
             return found.pop("split_sizes")
         return original_tolist(tensor)
 
+    def recorded_device_mesh(device, world_size, tp_degree, *degrees):
+        # NOTE: chapter 11's tensor-parallel degree as it chose it (--tp defaults to the node's GPUs).
+        found["tp_degree"] = tp_degree
+        return device_mesh(device, world_size, tp_degree, *degrees)
+
     expert_parallel_experts, original_tolist = getattr(module, "expert_parallel_experts", None), FakeTensor.tolist
     register_multi_grad_hook = mod_tracker.register_multi_grad_hook
+    device_mesh = getattr(module, "get_device_mesh", None)
     patches = dict(
         get_distributed_environment=lambda timeout: ("dry run", rank, rank % nproc_per_node, world_size),
         rank_zero_first=contextlib.nullcontext, init_weights=init_weights,
@@ -274,6 +280,8 @@ def dry_run(chapter, chapter_args, rank, nproc_per_node, world_size):
         # keep their values): DeepSeek-V3's 30 GB of experts per layer. A dry run needs no buffer's value.
         parameters_on_meta=lambda: torch.device("meta"),
     )
+    if chapter == "11":
+        patches["get_device_mesh"] = recorded_device_mesh
     for name, value in patches.items():
         if hasattr(module, name):
             setattr(module, name, value)
