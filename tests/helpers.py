@@ -292,12 +292,28 @@ def processes_with_marker(marker):
 
 
 def free_port():
-    """A TCP port free on this machine now (a rendezvous or store port for a test's job)."""
+    """A TCP port free on this machine now (a rendezvous or store port for a test's job).
+
+    NOTE: 10000-19999, below the kernel's ephemeral ports (bind(0), outgoing connections) and job.sbatch's 20000 on:
+    a bind(0) port was taken by another test's gloo socket before the job bound it (CI, pod 0: exit 1). Each xdist
+    worker draws from its own slice, in turn, so two tests never race for one.
+    """
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
+    lowest_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert lowest_ephemeral >= 20_000, f"ports from {lowest_ephemeral} on are ephemeral here; tests use 10000-19999"
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    slice_size = 10_000 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    slice_start = 10_000 + slice_size * worker
+    for _ in range(slice_size):
+        free_port.turn = (getattr(free_port, "turn", -1) + 1) % slice_size
+        with socket.socket() as sock:
+            try:
+                sock.bind(("", slice_start + free_port.turn))
+            except OSError:
+                continue
+            return slice_start + free_port.turn
+    raise RuntimeError(f"no free port in {slice_start}..{slice_start + slice_size - 1}")
 
 
 def with_faults(env, **variables):

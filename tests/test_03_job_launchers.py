@@ -476,7 +476,8 @@ def test_two_kubernetes_pods_stop_on_sigterm_exit_75_resume_and_match_chapter_02
     def preempt_pod_1(processes):
         deadline = time.monotonic() + LAUNCH_TIMEOUT
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert time.monotonic() < deadline and all(process.poll() is None for process in processes)
+            if time.monotonic() > deadline or any(process.poll() is not None for process in processes):
+                return   # the exit codes' assertion below shows the pods' output
             time.sleep(0.1)
         processes[1].send_signal(signal.SIGTERM)   # the pod's first process, as Kubernetes sends it
 
