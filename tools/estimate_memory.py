@@ -477,12 +477,14 @@ def estimate_step(config, layout):
     groups = fsdp_groups(parameters, dims, layout, coords)
     peak = simulate_step(state, activations, groups, dims, layout, widths)
     if layout.reduces_once_per_step:
-        # NOTE: --pp-grad-reduce step: the last micro-batch's backward, with one micro-batch's activations left and
-        # every group's whole fp32 gradients accumulated, may hold more than the first, with all in flight.
-        one_micro_batch = activation_model(dims, replace(layout, grad_accum=1), coords, widths)
-        last = simulate_step(state, one_micro_batch, groups, dims, layout, widths,
-                             accumulated_full_gradients(groups, widths))
-        peak = max(peak, last, key=lambda result: result["above_start_bytes"])
+        # NOTE: --pp-grad-reduce step: after the first backward every group's whole fp32 gradients stay, beside the
+        # micro-batches still in flight: 1F1B's steady state, or the drain's second backward when none is left.
+        in_flight = min(layout.pp, layout.grad_accum)
+        later = in_flight if layout.grad_accum > in_flight else max(1, in_flight - 1)
+        steady = activation_model(dims, replace(layout, grad_accum=later), coords, widths)
+        later_step = simulate_step(state, steady, groups, dims, layout, widths,
+                                   full_size_gradients(groups, state, layout))
+        peak = max(peak, later_step, key=lambda result: result["above_start_bytes"])
     comm = communication(parameters, dims, layout, coords, groups, widths, model_buffer_bytes(config))
     return {
         "model": getattr(config, "name_or_path", "") or config.model_type,
@@ -758,8 +760,10 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
     layer_activations = activations["layer_bytes"] * activations["in_flight"]
     kept = activations["layer_input_bytes"] if layout.activation_checkpointing else layer_activations
     # NOTE: a layer recomputed under activation checkpointing holds about a quarter more than its saved tensors
-    # while its backward runs (the recomputed forward's outputs), measured on CPUs.
-    own = layer_activations * (1.25 if layout.activation_checkpointing else 1.0)
+    # while its backward runs (the recomputed forward's outputs, one micro-batch's), measured on CPUs.
+    own = activations["layer_bytes"] * 1.25 if layout.activation_checkpointing else layer_activations
+    # NOTE: and in a pipeline stage the other micro-batches in flight keep every layer's input.
+    stage_inputs = saved - activations["final_norm_bytes"] - activations["loss_saved_bytes"]
     flowing = 3 * activations["largest_layer_tensor_bytes"]
     down_grad = widths["grads"] * dims.hidden * dims.intermediate / layout.tp
     if dims.moe_layers:
@@ -768,7 +772,8 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
     embedding_group = groups.get("embedding")
     for position, group in enumerate(reversed(layer_groups)):
         below = len(layer_groups) - 1 - position
-        live_below = below * kept
+        live_below = below * kept if not (layout.activation_checkpointing and layout.pp > 1) else \
+            stage_inputs - (position + 1) * kept
         gathered = 0
         if fsdp:
             # NOTE: this layer's weights, the next layer's prefetched (the embedding's, after layer 0, when it is a
@@ -806,8 +811,13 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
             others = accumulated or sum(sharded_grad(g) for g in groups.values() if g is not last)
             # NOTE: under --pp-grad-reduce step the last group's whole gradients are among the accumulated ones.
             own = 0 if layout.reduces_once_per_step else last.grad_full_bytes
-            phases["end of backward"] = (others + own + (kept_gathered if layout.pp > 1 else 0)
+            # NOTE: the other micro-batches in flight hold their saved layer inputs: checkpointed, the end of backward
+            # can top the layers' phases (11's 405B dry run); kept whole, the layers' peak is the step's (08's 70B).
+            waiting = stage_inputs * (activations["in_flight"] - 1) / activations["in_flight"] \
+                if layout.activation_checkpointing else 0
+            phases["end of backward"] = (waiting + others + own + (kept_gathered if layout.pp > 1 else 0)
                                          + 4 * last.padded_numel * (1 + 1 / layout.fsdp_shards) + into_embedding)
+            alive["end of backward"] = waiting
     elif not grads_exist_at_start:
         phases["end of backward"] = state["grads_bytes"] + into_embedding
     phase, above_start = max(phases.items(), key=lambda item: item[1])
@@ -836,13 +846,20 @@ def full_size_gradients(groups, state, layout):
     root = groups.get("root")
     if root is None:  # chapter 05's groups: each reduce-scattered as soon as its own backward is done
         return max(layers + [g.grad_full_bytes for g in groups.values()])
-    coords, width = rank_coordinates(layout), byte_widths(layout)["grads"]
-    embedding = sum(width * numel(tp_local_shape(p, layout, coords)[1]) for p in root.params if p.role == "embedding")
+    width = byte_widths(layout)["grads"]
+    embedding = whole_embedding_gradient(groups, layout)
     per_backward = root.grad_full_bytes - embedding + max(layers + [embedding])
     if layout.reduces_once_per_step:
         # NOTE: in bf16 a backward's own whole gradients come on top of the fp32 sum until they are added in.
         return accumulated_full_gradients(groups, byte_widths(layout)) + (per_backward if width != 4 else 0)
     return per_backward
+
+
+def whole_embedding_gradient(groups, layout):
+    """Bytes of the embedding's unsharded gradient in chapter 04's root group (whole under TP), 0 elsewhere."""
+    coords, root = rank_coordinates(layout), groups.get("root")
+    return sum(byte_widths(layout)["grads"] * numel(tp_local_shape(p, layout, coords)[1])
+               for p in (root.params if root else []) if p.role == "embedding")
 
 
 def accumulated_full_gradients(groups, widths):
