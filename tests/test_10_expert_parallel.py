@@ -207,6 +207,22 @@ def test_a_mixtral_trains_at_ep_2_as_in_chapter_01(env, tmp_path, tiny_mixtral):
     assert grad_norm_difference(reference, experiment, clipped=True) <= GRAD_NORM_TOLERANCE
 
 
+def test_a_pretrained_mixture_of_experts_stops_with_one_line(env, tmp_path, tiny_mixtral):
+    """transformers 5 fuses a mixture's experts (experts.gate_up_proj); save_pretrained() and the hub's files hold
+    each expert apart (block_sparse_moe.experts.0.w1): not loaded, every rank stops with the loader's one line (10's
+    README trains these models from their config)."""
+    pretrained = tmp_path / "mixtral-pretrained"
+    shutil.copytree(tiny_mixtral, pretrained)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_mixtral)).save_pretrained(pretrained)
+    result, _ = train("10", env, tmp_path, "-m", pretrained, "--ep", "2", "--max-steps", "1", nproc=2, check=False,
+                      timeout=300)
+    assert result.returncode == 1
+    errors = set(error_lines(result.stderr))
+    error, = errors
+    assert error.startswith(f"error: cannot load the weights of {pretrained} (Missing key") and error.endswith(
+        "; its *.safetensors must hold every weight its config.json describes"), result.stderr[-3000:]
+
+
 def test_the_all_to_all_bytes_equal_the_theory(env, runs):
     # The first 3 steps at ep 2, 2 sequences of 64 tokens per rank, fp32, measured from outside the script.
     interrupted_run(runs, env)
