@@ -210,8 +210,8 @@ FENCED_BLOCK = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | r
 NOTES = "## Notes and measurements"
 LAST_HEADINGS = ["## The code changes", "## Running it on GPUs", "## Next", NOTES]
 MAX_DIFF_LINES, MAX_EXCERPT_LINES = 40, 15
-# NOTE: ceilings, not targets: a lesson at most 2,000 words, a chapter's README 3,500 in all.
-MAX_LESSON_WORDS, MAX_README_WORDS, MAX_TOP_LEVEL_WORDS = 2000, 3500, 1500
+# NOTE: ceilings, not targets: a lesson at most 2,000 words, a chapter's README 3,500 in all, the guide 45,000.
+MAX_LESSON_WORDS, MAX_README_WORDS, MAX_TOP_LEVEL_WORDS, MAX_GUIDE_WORDS = 2000, 3500, 1500, 45_000
 CONTENTS_ENTRY = re.compile(r"^[-*] \[[^\]]+\]\(#([^)\s]+)\)", re.MULTILINE)
 
 
@@ -276,6 +276,17 @@ def test_the_top_level_readme_is_short():
     words = len((REPO / "README.md").read_text().split())
     assert words <= MAX_TOP_LEVEL_WORDS, f"README.md has {words} words, at most {MAX_TOP_LEVEL_WORDS}: details " \
                                          "belong in the chapters and tests/README.md"
+
+
+@pytest.mark.quick
+def test_the_guide_stays_within_its_word_ceiling():
+    guide = {path: len(path.read_text().split()) for path in REPO.rglob("*.md")
+             if path.relative_to(REPO).parts[0] not in {"tests", "data", "node_modules"}
+             and not any(part.startswith(".") for part in path.relative_to(REPO).parts)}
+    largest = ", ".join(f"{path.relative_to(REPO)} {words:,}" for path, words in
+                        sorted(guide.items(), key=lambda item: -item[1])[:3])
+    assert sum(guide.values()) <= MAX_GUIDE_WORDS, f"the guide's Markdown has {sum(guide.values()):,} words, at " \
+        f"most {MAX_GUIDE_WORDS:,} (tests/, data/ and hidden folders apart); the largest: {largest}"
 
 
 # The first chapter a reader opens and the last, which carries the most: each stays readable in one sitting.
