@@ -217,8 +217,9 @@ def test_a_pretrained_mixture_of_experts_stops_with_one_line(env, tmp_path, tiny
     result, _ = train("10", env, tmp_path, "-m", pretrained, "--ep", "2", "--max-steps", "1", nproc=2, check=False,
                       timeout=300)
     assert result.returncode == 1
-    errors = set(error_lines(result.stderr))
-    error, = errors
+    errors = error_lines(result.stderr)
+    assert len(errors) == 2 and errors[0] == errors[1], result.stderr[-3000:]
+    error = errors[0]
     assert error.startswith(f"error: cannot load the weights of {pretrained} (Missing key") and error.endswith(
         "; its *.safetensors must hold every weight its config.json describes"), result.stderr[-3000:]
 

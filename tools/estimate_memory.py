@@ -477,8 +477,8 @@ def estimate_step(config, layout):
     groups = fsdp_groups(parameters, dims, layout, coords)
     peak = simulate_step(state, activations, groups, dims, layout, widths)
     if layout.reduces_once_per_step:
-        # NOTE: --pp-grad-reduce step: after the first backward every group's whole fp32 gradients stay, beside the
-        # micro-batches still in flight: 1F1B's steady state, or the drain's second backward when none is left.
+        # NOTE: --pp-grad-reduce step: every group's whole fp32 gradients stay until the step's end, beside the
+        # micro-batches still in flight: 1F1B's steady state, the drain's second backward, or a lone micro-batch's.
         in_flight = min(layout.pp, layout.grad_accum)
         later = in_flight if layout.grad_accum > in_flight else max(1, in_flight - 1)
         steady = activation_model(dims, replace(layout, grad_accum=later), coords, widths)
@@ -764,6 +764,7 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
     own = activations["layer_bytes"] * 1.25 if layout.activation_checkpointing else layer_activations
     # NOTE: and in a pipeline stage the other micro-batches in flight keep every layer's input.
     stage_inputs = saved - activations["final_norm_bytes"] - activations["loss_saved_bytes"]
+    checkpointed_stage = layout.activation_checkpointing and layout.pp > 1
     flowing = 3 * activations["largest_layer_tensor_bytes"]
     down_grad = widths["grads"] * dims.hidden * dims.intermediate / layout.tp
     if dims.moe_layers:
@@ -772,8 +773,7 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
     embedding_group = groups.get("embedding")
     for position, group in enumerate(reversed(layer_groups)):
         below = len(layer_groups) - 1 - position
-        live_below = below * kept if not (layout.activation_checkpointing and layout.pp > 1) else \
-            stage_inputs - (position + 1) * kept
+        live_below = stage_inputs - (position + 1) * kept if checkpointed_stage else below * kept
         gathered = 0
         if fsdp:
             # NOTE: this layer's weights, the next layer's prefetched (the embedding's, after layer 0, when it is a
@@ -798,8 +798,8 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
             end = live_below + own_grads + grads_done + flowing / 3
         phases[f"backward of layer {group.layer}"] = max(middle, end)
         # NOTE: in a pipeline stage the other micro-batches keep what forward saved (as the dry run of 08's 70B does).
-        alive[f"backward of layer {group.layer}"] = saved if layout.pp > 1 else \
-            live_below + (own if middle >= end else 0)
+        alive[f"backward of layer {group.layer}"] = live_below + own if checkpointed_stage else saved if layout.pp > 1 \
+            else live_below + (own if middle >= end else 0)
         grads_done += 0 if grads_exist_at_start or accumulated else sharded_grad(group)
     # The end of backward: every gradient, and the one arriving at the embedding (whole under TP); with FSDP the
     # last group's unsharded gradients and its reduce-scatter buffers (chapter 04's root group, chapter 05's
@@ -811,12 +811,15 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
             others = accumulated or sum(sharded_grad(g) for g in groups.values() if g is not last)
             # NOTE: under --pp-grad-reduce step the last group's whole gradients are among the accumulated ones.
             own = 0 if layout.reduces_once_per_step else last.grad_full_bytes
-            # NOTE: the other micro-batches in flight hold their saved layer inputs: checkpointed, the end of backward
-            # can top the layers' phases (11's 405B dry run); kept whole, the layers' peak is the step's (08's 70B).
+            # NOTE: the other micro-batches in flight hold their saved layer inputs. Counted when checkpointed (11's
+            # 405B dry run); without it the dry runs peak in the last layer's backward, this phase 1% below (08's 70B).
             waiting = stage_inputs * (activations["in_flight"] - 1) / activations["in_flight"] \
-                if layout.activation_checkpointing else 0
-            phases["end of backward"] = (waiting + others + own + (kept_gathered if layout.pp > 1 else 0)
-                                         + 4 * last.padded_numel * (1 + 1 / layout.fsdp_shards) + into_embedding)
+                if checkpointed_stage else 0
+            # NOTE: under --pp-grad-reduce step only the step's last backward, none waiting, reduce-scatters.
+            reduced = 0 if layout.reduces_once_per_step and waiting else \
+                4 * last.padded_numel * (1 + 1 / layout.fsdp_shards)
+            phases["end of backward"] = (waiting + others + own + (kept_gathered if layout.pp > 1 else 0) + reduced
+                                         + into_embedding)
             alive["end of backward"] = waiting
     elif not grads_exist_at_start:
         phases["end of backward"] = state["grads_bytes"] + into_embedding
@@ -844,11 +847,12 @@ def full_size_gradients(groups, state, layout):
         return state["grads_bytes"] if layout.tp == 1 else 0
     layers = [g.grad_full_bytes for g in groups.values() if g.layer is not None]
     root = groups.get("root")
-    if root is None:  # chapter 05's groups: each reduce-scattered as soon as its own backward is done
-        return max(layers + [g.grad_full_bytes for g in groups.values()])
+    if root is None and not layout.reduces_once_per_step:
+        return max(layers + [g.grad_full_bytes for g in groups.values()])  # chapter 05's: each reduced at once
     width = byte_widths(layout)["grads"]
     embedding = whole_embedding_gradient(groups, layout)
-    per_backward = root.grad_full_bytes - embedding + max(layers + [embedding])
+    per_backward = max(layers + [g.grad_full_bytes for g in groups.values()]) if root is None else \
+        root.grad_full_bytes - embedding + max(layers + [embedding])
     if layout.reduces_once_per_step:
         # NOTE: in bf16 a backward's own whole gradients come on top of the fp32 sum until they are added in.
         return accumulated_full_gradients(groups, byte_widths(layout)) + (per_backward if width != 4 else 0)
