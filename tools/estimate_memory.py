@@ -479,7 +479,7 @@ def estimate_step(config, layout):
     if layout.reduces_once_per_step:
         # NOTE: --pp-grad-reduce step: every group's whole fp32 gradients stay until the step's end, beside the
         # micro-batches still in flight: 1F1B's steady state, the drain's second backward, or a lone micro-batch's.
-        in_flight = min(layout.pp, layout.grad_accum)
+        in_flight = min(layout.pp - coords.pp, layout.grad_accum)
         later = in_flight if layout.grad_accum > in_flight else max(1, in_flight - 1)
         steady = activation_model(dims, replace(layout, grad_accum=later), coords, widths)
         later_step = simulate_step(state, steady, groups, dims, layout, widths,
@@ -601,7 +601,8 @@ def activation_model(dims, layout, coords, widths):
     backward_bytes = (w["matmul"] if w["matmul"] != w["loss"] else 0) if t > 1 else 2 * w["loss"]
     loss_backward = backward_bytes * vocab_local * tokens if is_last_stage else 0
     rotary = 2 * w["residual"] * layout.seq_length // layout.cp * dims.head_dim
-    in_flight = min(layout.pp, layout.grad_accum) if layout.pp > 1 else 1
+    # NOTE: 1F1B's warm-up: stage s runs pp - s forwards before its first backward.
+    in_flight = min(layout.pp - coords.pp, layout.grad_accum) if layout.pp > 1 else 1
     if layout.activation_checkpointing:
         saved_layers = num_layers * layer_input
     else:
