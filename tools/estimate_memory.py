@@ -479,7 +479,7 @@ def estimate_step(config, layout):
     if layout.reduces_once_per_step:
         # NOTE: --pp-grad-reduce step: every group's whole fp32 gradients stay until the step's end, beside the
         # micro-batches still in flight: 1F1B's steady state, the drain's second backward, or a lone micro-batch's.
-        in_flight = min(layout.pp - coords.pp, layout.grad_accum)
+        in_flight = activations["in_flight"]
         later = in_flight if layout.grad_accum > in_flight else max(1, in_flight - 1)
         steady = activation_model(dims, replace(layout, grad_accum=later), coords, widths)
         later_step = simulate_step(state, steady, groups, dims, layout, widths,
@@ -763,7 +763,7 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
     # NOTE: a layer recomputed under activation checkpointing holds about a quarter more than its saved tensors
     # while its backward runs (the recomputed forward's outputs, one micro-batch's), measured on CPUs.
     own = activations["layer_bytes"] * 1.25 if layout.activation_checkpointing else layer_activations
-    # NOTE: and in a pipeline stage the other micro-batches in flight keep every layer's input.
+    # NOTE: in a checkpointed pipeline stage the other micro-batches in flight keep every layer's input.
     stage_inputs = saved - activations["final_norm_bytes"] - activations["loss_saved_bytes"]
     checkpointed_stage = layout.activation_checkpointing and layout.pp > 1
     flowing = 3 * activations["largest_layer_tensor_bytes"]
@@ -799,8 +799,8 @@ def simulate_step(state, activations, groups, dims, layout, widths, accumulated_
             end = live_below + own_grads + grads_done + flowing / 3
         phases[f"backward of layer {group.layer}"] = max(middle, end)
         # NOTE: in a pipeline stage the other micro-batches keep what forward saved (as the dry run of 08's 70B does).
-        alive[f"backward of layer {group.layer}"] = live_below + own if checkpointed_stage else saved if layout.pp > 1 \
-            else live_below + (own if middle >= end else 0)
+        alive[f"backward of layer {group.layer}"] = (live_below + own if checkpointed_stage else saved) \
+            if layout.pp > 1 else live_below + (own if middle >= end else 0)
         grads_done += 0 if grads_exist_at_start or accumulated else sharded_grad(group)
     # The end of backward: every gradient, and the one arriving at the embedding (whole under TP); with FSDP the
     # last group's unsharded gradients and its reduce-scatter buffers (chapter 04's root group, chapter 05's
@@ -848,23 +848,17 @@ def full_size_gradients(groups, state, layout):
         return state["grads_bytes"] if layout.tp == 1 else 0
     layers = [g.grad_full_bytes for g in groups.values() if g.layer is not None]
     root = groups.get("root")
-    if root is None and not layout.reduces_once_per_step:
-        return max(layers + [g.grad_full_bytes for g in groups.values()])  # chapter 05's: each reduced at once
-    width = byte_widths(layout)["grads"]
-    embedding = whole_embedding_gradient(groups, layout)
-    per_backward = max(layers + [g.grad_full_bytes for g in groups.values()]) if root is None else \
-        root.grad_full_bytes - embedding + max(layers + [embedding])
+    coords, width = rank_coordinates(layout), byte_widths(layout)["grads"]
+    if root is None:  # chapter 05's groups: each reduce-scattered as soon as its own backward is done
+        per_backward = max(layers + [g.grad_full_bytes for g in groups.values()])
+    else:
+        embedding = sum(width * numel(tp_local_shape(p, layout, coords)[1])
+                        for p in root.params if p.role == "embedding")
+        per_backward = root.grad_full_bytes - embedding + max(layers + [embedding])
     if layout.reduces_once_per_step:
         # NOTE: in bf16 a backward's own whole gradients come on top of the fp32 sum until they are added in.
         return accumulated_full_gradients(groups, byte_widths(layout)) + (per_backward if width != 4 else 0)
     return per_backward
-
-
-def whole_embedding_gradient(groups, layout):
-    """Bytes of the embedding's unsharded gradient in chapter 04's root group (whole under TP), 0 elsewhere."""
-    coords, root = rank_coordinates(layout), groups.get("root")
-    return sum(byte_widths(layout)["grads"] * numel(tp_local_shape(p, layout, coords)[1])
-               for p in (root.params if root else []) if p.role == "embedding")
 
 
 def accumulated_full_gradients(groups, widths):
