@@ -87,6 +87,8 @@ def main():
     flash_ready = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
     require(args.attn_implementation != "flash_attention_2" or flash_ready, "--attn-implementation flash_attention_2 "
             "needs CUDA and `pip install flash-attn`; use --attn-implementation sdpa")
+    require(args.attn_implementation != "flash_attention_2" or dtype != torch.float32,
+            "--attn-implementation flash_attention_2 computes in bf16 or fp16; use --dtype bfloat16 or auto")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     with parameters_on_meta():
@@ -325,9 +327,10 @@ def get_distributed_environment(rdzv_timeout):
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
-    elif "SLURM_PROCID" in environment:
+    elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+        # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
-        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"
@@ -436,11 +439,12 @@ def parameters_on_meta():
 
 
 def attention_implementation(config, seq_length, attn_implementation):
+    # NOTE: only FlashAttention takes the window with packed rows; sdpa and eager read our mask.
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    require(attn_implementation == "flash_attention_2" or not window or seq_length <= window, f"--seq-length "
+            f"{seq_length} exceeds the model's sliding window {window}; use at most {window}")
     if attn_implementation != "sdpa":
         return attn_implementation
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    require(not window or seq_length <= window, f"--seq-length {seq_length} exceeds the model's sliding window "
-            f"{window}; use at most {window}")
     AttentionInterface.register("causal_sdpa", AttentionInterface()["sdpa"])
     return "causal_sdpa"
 
@@ -588,6 +592,8 @@ def init_weights(model, seed):
 
 def load_and_tokenize_dataset(args, tokenizer):
     """The rows to train on, those to evaluate on (or None), and a line saying what they hold."""
+    require(not args.eval_split or not Path(args.dataset_name).is_file(), f"--eval-split {args.eval_split}: a file "
+            "has one split, the one trained on; use --eval-fraction, or -d a folder or hub data set with that split")
     key = json.dumps([args.dataset_name, args.dataset_subset, args.dataset_split, args.eval_split, args.eval_fraction,
                       args.seed, args.text_column, tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template,
                       args.seq_length])
@@ -649,6 +655,9 @@ def find_schema(raw_dataset, text_column):
     columns = {name: getattr(feature, "dtype", "nested") for name, feature in raw_dataset.features.items()}
     for schema, needed in SCHEMAS.items():
         if all(name in columns for name in needed):
+            require(schema == "messages" or all(columns[name] in ("string", "large_string") for name in needed),
+                    f"-d's {' and '.join(needed)} columns are not plain text (columns: {columns}); for chat turns, "
+                    "pass them as one messages column")
             return schema
     require(columns.get(text_column) in ("string", "large_string"), f"no known columns (columns: {columns}); "
             "pass messages, prompt + completion, instruction + output (alpaca) or a text column (--text-column)")

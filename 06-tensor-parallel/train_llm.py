@@ -88,7 +88,7 @@ def main():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
     parallelize_model(model, tp_mesh)
-    # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: no collective is compiled or recomputed.
+    # NOTE: each checkpoint holds a compiled forward: TP's collectives in a layer are compiled, and recomputed.
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if args.compile:
@@ -303,9 +303,10 @@ def get_distributed_environment(rdzv_timeout):
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
-    elif "SLURM_PROCID" in environment:
+    elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+        # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
-        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"

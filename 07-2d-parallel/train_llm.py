@@ -86,7 +86,8 @@ def main():
     require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
             "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
-    tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
+    tp_degree = args.tp if args.tp is not None else (
+        int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cuda" else 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
     check_tensor_parallel_degree(tp_degree, config, args.seq_length)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
@@ -97,7 +98,8 @@ def main():
     # placed on both. A 2D dp mesh (HSDP) shards within each replica and all-reduces across them. --tp 1: plain FSDP.
     if tp_degree > 1:
         parallelize_model(model, mesh["tp"])
-    # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: no collective is compiled or recomputed.
+    # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: TP's collectives are compiled and
+    # recomputed, FSDP's neither.
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if args.compile:
@@ -166,8 +168,11 @@ def main():
     agreed_to_stop = lambda: False
     for step in range(first_step, last_step + 1):
         step_loss = torch.zeros((), device=device)
-        for _ in range(args.grad_accum):
+        for micro_step in range(args.grad_accum):
             input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
+            if args.dp_replicate > 1:
+                # NOTE: the replicas all-reduce their summed gradient shards once a step, in the last backward.
+                model.set_requires_all_reduce(micro_step == args.grad_accum - 1)
             # NOTE: no autocast: FSDP casts the gathered weights to bf16. The loss reads logits split by vocabulary.
             loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
             loss.backward()
@@ -271,7 +276,7 @@ def get_parser():
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
-    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the GPUs of one node; on the CPU, 1)")
+    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the processes on a node; on the CPU, 1)")
     group.add_argument("--dp-replicate", type=int, default=1, help="HSDP: model replicas, each sharded by FSDP")
     return parser
 
@@ -316,9 +321,10 @@ def get_distributed_environment(rdzv_timeout):
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
-    elif "SLURM_PROCID" in environment:
+    elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+        # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
-        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"

@@ -88,8 +88,10 @@ def main():
     require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
             "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
-    args.grad_accum = grad_accum_steps(args, world_size // max(args.pp, 1))
-    stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
+    require(args.pp >= 1 and world_size % args.pp == 0,
+            f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}")
+    args.grad_accum = grad_accum_steps(args, world_size // args.pp)
+    stages_per_rank, num_microbatches = check_pipeline_layout(args, config)
     # NOTE: pp first: consecutive ranks (a node's GPUs) shard one stage; only activations cross to the next node.
     mesh = init_device_mesh(device.type, (args.pp, world_size // args.pp), mesh_dim_names=("pp", "dp"))
     pp_mesh, dp_mesh = mesh["pp"], mesh["dp"]
@@ -339,9 +341,10 @@ def get_distributed_environment(rdzv_timeout):
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
-    elif "SLURM_PROCID" in environment:
+    elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+        # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
-        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"
@@ -483,9 +486,7 @@ PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Int
                       "interleaved-zb": "InterleavedZeroBubble"}
 
 
-def check_pipeline_layout(args, world_size, config):
-    require(args.pp >= 1 and world_size % args.pp == 0,
-            f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}")
+def check_pipeline_layout(args, config):
     one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
     stages_per_rank = args.pp_stages_per_rank or (1 if one_stage_per_rank else 2)
     require(not one_stage_per_rank or stages_per_rank == 1, f"--pp-schedule {args.pp_schedule} runs one stage per "

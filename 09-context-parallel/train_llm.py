@@ -95,7 +95,8 @@ def main():
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attn_implementation, dtype=torch.float32)
-    # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: no collective is compiled or recomputed.
+    # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: FSDP's collectives are neither
+    # compiled nor recomputed; the ring's sends run eager, again in the recompute.
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
     if args.compile:
@@ -320,9 +321,10 @@ def get_distributed_environment(rdzv_timeout):
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
-    elif "SLURM_PROCID" in environment:
+    elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+        # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
-        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"

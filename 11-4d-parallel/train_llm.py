@@ -87,12 +87,13 @@ def main():
     require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
             "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
-    tp_degree = args.tp if args.tp is not None else (torch.cuda.device_count() or 1)
+    tp_degree = args.tp if args.tp is not None else (
+        int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cuda" else 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
     # NOTE: looked up once: mesh["pp"] reads the rank map on the host, a sync.
     dp_mesh, pp_mesh, cp_mesh = mesh["dp"], mesh["pp"], mesh["cp"]
     args.grad_accum = grad_accum_steps(args, dp_mesh.size())
-    stages_per_rank, num_microbatches = check_pipeline_layout(args, world_size, config)
+    stages_per_rank, num_microbatches = check_pipeline_layout(args, config)
     check_context_parallel(args, config)
     check_tensor_parallel_degree(tp_degree, config, args.seq_length // args.cp)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
@@ -158,7 +159,7 @@ def main():
     loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1))
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
         stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device,
-        args.pp_grad_reduce == "microbatch") if args.pp > 1 else (None, True, True)
+        args.pp_grad_reduce == "microbatch") if args.pp * stages_per_rank > 1 else (None, True, True)
     micro_batches = get_micro_batches(dataset, args, train_state, device, dp_rank, dp_size)
     # NOTE: stops its DataLoader workers at exit: they only note Python's SIGTERM.
     atexit.register(micro_batches.close)
@@ -288,7 +289,7 @@ def get_parser():
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
-    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the GPUs of one node; on the CPU, 1)")
+    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the processes on a node; on the CPU, 1)")
     group.add_argument("--pp", type=int, default=1, help="pipeline stages; world size / pp pipelines run FSDP")
     group.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b")
     group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
@@ -342,9 +343,10 @@ def get_distributed_environment(rdzv_timeout):
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
-    elif "SLURM_PROCID" in environment:
+    elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+        # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
-        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_NTASKS"],
+        environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
     elif "OMPI_COMM_WORLD_RANK" in environment:
         launcher = "mpirun"
@@ -567,9 +569,7 @@ PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Int
                       "interleaved-zb": "InterleavedZeroBubble"}
 
 
-def check_pipeline_layout(args, world_size, config):
-    require(args.pp >= 1 and world_size % args.pp == 0,
-            f"--pp {args.pp} does not divide the world size {world_size}; use a divisor of {world_size}")
+def check_pipeline_layout(args, config):
     one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
     stages_per_rank = args.pp_stages_per_rank or (1 if one_stage_per_rank else 2)
     require(not one_stage_per_rank or stages_per_rank == 1, f"--pp-schedule {args.pp_schedule} runs one stage per "

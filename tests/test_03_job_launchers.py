@@ -311,7 +311,7 @@ def closed_port():
 
 def test_srun_or_mpirun_rank_with_an_unreachable_endpoint_fails_in_bounded_time(env, tmp_path, closed_port):
     # What srun sets for the second of two tasks; the job script's MASTER_ADDR:MASTER_PORT point at nothing.
-    rank_env = {**env, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2",
+    rank_env = {**env, "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(closed_port)}
     started = time.monotonic()
     result = run([sys.executable, script("03"), "--rdzv-timeout", "5", "--save-dir", tmp_path / "outputs"],
@@ -323,6 +323,14 @@ def test_srun_or_mpirun_rank_with_an_unreachable_endpoint_fails_in_bounded_time(
     assert error_line(result).startswith(f"error: rank 1 on {socket.gethostname()} cannot reach "
                                          f"127.0.0.1:{closed_port} in 5s"), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+def test_python_in_a_slurm_batch_script_is_one_process(env, tmp_path):
+    # What a batch script's own shell holds (sbatch --ntasks 4): SLURM_PROCID too, but no step of srun's tasks.
+    batch_env = {**env, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}
+    result = run([sys.executable, script("03"), *FAST_ARGS, "--max-steps", "1", "--save-dir", tmp_path / "outputs"],
+                 batch_env, tmp_path, timeout=300)
+    assert "started by python (one process)" in result.stdout and "rank 0 of 1 " in result.stdout, result.stdout
 
 
 def test_torchrun_agent_with_an_unreachable_endpoint_fails_in_bounded_time(env, tmp_path, closed_port):

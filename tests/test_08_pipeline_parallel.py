@@ -332,6 +332,9 @@ def test_chapter_04s_converter_turns_a_pipeline_checkpoint_into_a_hugging_face_m
 BAD_LAYOUTS = {
     "pp not dividing the world": (2, ["--pp", "3"],
                                   "error: --pp 3 does not divide the world size 2; use a divisor of 2"),
+    # NOTE: before --global-batch-size divides by the data-parallel size, which would be 0.
+    "pp above the world, with a global batch": (2, ["--pp", "4", "--global-batch-size", "16"],
+                                                "error: --pp 4 does not divide the world size 2; use a divisor of 2"),
     "micro-batches not dividing the batch": (None, ["--pp-microbatches", "3"],
                                              "error: --pp-microbatches 3 does not divide --batch-size 4; "
                                              "use a divisor of 4"),
@@ -353,36 +356,36 @@ def test_a_bad_pp_or_micro_batch_count_gets_a_one_line_error(env, tmp_path, case
 
 
 # The other layouts that cannot be made, checked by the script's own check_pipeline_layout(), which main() calls
-# before anything else uses the layout: (world size, flags, a change to the tiny model's config, the error).
+# before anything else uses the layout: (flags, a change to the tiny model's config, the error).
 LAYOUT_ERRORS = {
-    "more stages than layers": (1, ["--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "5"], {},
+    "more stages than layers": (["--pp-schedule", "interleaved-1f1b", "--pp-stages-per-rank", "5"], {},
                                 "5 pipeline stages (--pp 1 x 5 per rank) for 4 decoder layers; use at most 4, or a "
                                 "smaller --pp"),
-    "several stages for a one-stage schedule": (2, ["--pp", "2", "--pp-schedule", "gpipe", "--pp-stages-per-rank",
-                                                    "2"], {},
+    "several stages for a one-stage schedule": (["--pp", "2", "--pp-schedule", "gpipe", "--pp-stages-per-rank",
+                                                 "2"], {},
                                                 "--pp-schedule gpipe runs one stage per rank, not "
                                                 "--pp-stages-per-rank 2; use interleaved-1f1b"),
-    "one stage for the interleaved schedule": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b",
-                                                   "--pp-stages-per-rank", "1"], {},
+    "one stage for the interleaved schedule": (["--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                                "--pp-stages-per-rank", "1"], {},
                                                "--pp-schedule interleaved-1f1b needs 2 or more "
                                                "--pp-stages-per-rank, not 1"),
-    "fewer micro-batches than stages for 1f1b": (2, ["--pp", "2", "--pp-microbatches", "1"], {},
+    "fewer micro-batches than stages for 1f1b": (["--pp", "2", "--pp-microbatches", "1"], {},
                                                  "--pp-schedule 1f1b needs at least one micro-batch per stage in a "
                                                  "step, not 1 (--pp-microbatches x --grad-accum); use 2 or more, or "
                                                  "gpipe"),
-    "interleaved rounds": (2, ["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5",
-                               "--batch-size", "10"], {},
+    "interleaved rounds": (["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5",
+                            "--batch-size", "10"], {},
                            "5 micro-batches a step (--pp-microbatches x --grad-accum) cannot make 2 equal rounds of "
                            "interleaved-1f1b; use a multiple of --pp 2"),
-    "zero bubble reducing in every micro-batch": (2, ["--pp", "2", "--pp-schedule", "interleaved-zb"], {},
+    "zero bubble reducing in every micro-batch": (["--pp", "2", "--pp-schedule", "interleaved-zb"], {},
                                                   "--pp-schedule interleaved-zb splits each backward in two; use "
                                                   "--pp-grad-reduce step, without --compile or "
                                                   "--activation-checkpointing"),
     # NOTE: a checkpointed layer recomputes its forward in the input backward and again in the weight backward.
-    "zero bubble with checkpointed layers": (2, ["--pp", "2", "--pp-schedule", "interleaved-zb", "--pp-grad-reduce",
-                                                 "step", "--activation-checkpointing"], {},
+    "zero bubble with checkpointed layers": (["--pp", "2", "--pp-schedule", "interleaved-zb", "--pp-grad-reduce",
+                                              "step", "--activation-checkpointing"], {},
                                              "--pp-schedule interleaved-zb splits each backward in two"),
-    "tied embeddings across stages": (2, ["--pp", "2"], {"tie_word_embeddings": True},
+    "tied embeddings across stages": (["--pp", "2"], {"tie_word_embeddings": True},
                                       "tie_word_embeddings: the first and last stages cannot share one weight"),
 }
 
@@ -391,7 +394,7 @@ LAYOUT_ERRORS = {
 def test_every_layout_that_cannot_be_made_is_named(case, monkeypatch):
     from transformers import AutoConfig
 
-    world_size, flags, config_changes, expected = LAYOUT_ERRORS[case]
+    flags, config_changes, expected = LAYOUT_ERRORS[case]
     chapter = load_script("08")
     monkeypatch.setattr("sys.argv", ["train_llm.py", *flags])
     args = chapter.parse_args()
@@ -399,11 +402,11 @@ def test_every_layout_that_cannot_be_made_is_named(case, monkeypatch):
     for key, value in config_changes.items():
         setattr(config, key, value)
     with pytest.raises(SystemExit) as stopped:
-        chapter.check_pipeline_layout(args, world_size, config)
+        chapter.check_pipeline_layout(args, config)
     assert str(stopped.value).startswith(f"error: {expected}")
     # The same layout with what is wrong taken away passes the check.
     if config_changes:
-        chapter.check_pipeline_layout(args, world_size, AutoConfig.from_pretrained(TINY_MODEL))
+        chapter.check_pipeline_layout(args, AutoConfig.from_pretrained(TINY_MODEL))
 
 
 def test_zero_bubble_runs_a_checkpointed_layer_three_times_so_the_pair_is_refused():

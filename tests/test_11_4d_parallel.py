@@ -37,6 +37,8 @@ LAYOUTS = {
     # NOTE: --global-batch-size divides by the 2 data-parallel ranks (not the world's 4): one micro-step.
     "pp2-dp2-reduce-per-step": (["--pp", "2", "--pp-grad-reduce", "step", "--global-batch-size", str(GLOBAL_BATCH)],
                                 {"dp": 2, "pp": 2, "cp": 1, "tp": 1}),
+    # NOTE: at --pp 1 the interleaved schedule still runs a rank's two stages in turn.
+    "interleaved-pp1-dp2": (["--pp-schedule", "interleaved-1f1b"], {"dp": 2, "pp": 1, "cp": 1, "tp": 1}),
 }
 
 

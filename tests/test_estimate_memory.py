@@ -44,6 +44,9 @@ CASES = {
     "06 llama ws2": ("06", 2, "llama", [], {"tp": 2}),
     "06 qwen2 ws4": ("06", 4, "qwen2", [], {"tp": 4}),
     "07 llama dp2 tp2": ("07", 4, "llama", ["--tp", "2"], {"dp": 2, "tp": 2, "fsdp": True}),
+    # NOTE: the replicas all-reduce once a step, not once per micro-batch.
+    "07 llama hsdp 2 replicas grad-accum 2": ("07", 2, "llama", ["--dp-replicate", "2", "--grad-accum", "2"],
+                                              {"dp": 2, "dp_replicate": 2, "fsdp": True, "grad_accum": 2}),
     "08 llama pp2": ("08", 2, "llama", ["--pp", "2"], {"pp": 2, "fsdp": True}),
     # NOTE: 2 steps, as for chapter 11 below: the first also gathers the layers for the pipeline's shape inference.
     "08 llama pp2 dp2 reduce per step": ("08", 4, "llama", ["--pp", "2", "--pp-grad-reduce", "step", "--max-steps",

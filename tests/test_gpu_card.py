@@ -462,20 +462,20 @@ def test_the_cards_arguments_pass_each_chapters_own_layout_checks(nproc, tmp_pat
             chapter.check_tensor_parallel_degree(args.tp, config, args.seq_length)
             degrees[item.chapter] = args.tp
         elif item.chapter == "08-pipeline-parallel":
-            chapter.check_pipeline_layout(args, nproc, config)
+            chapter.check_pipeline_layout(args, config)
             degrees[item.chapter] = args.pp
             # The 1F1B rule the old arguments broke: --pp 8 with 4 micro-batches.
             monkeypatch.setattr("sys.argv", [*command[script:], "--pp", str(nproc)])
             if nproc > args.batch_size:
                 with pytest.raises(SystemExit, match="1f1b needs at least one micro-batch per stage"):
-                    chapter.check_pipeline_layout(chapter.parse_args(), nproc, config)
+                    chapter.check_pipeline_layout(chapter.parse_args(), config)
         elif item.chapter == "09-context-parallel":
             chapter.get_device_mesh(torch.device("cpu"), nproc, args.cp)
             chapter.check_context_parallel(args, config)
             degrees[item.chapter] = args.cp
         elif item.chapter == "11-4d-parallel":
             chapter.get_device_mesh(torch.device("cpu"), nproc, args.tp, args.pp, args.cp)
-            chapter.check_pipeline_layout(args, nproc, config)
+            chapter.check_pipeline_layout(args, config)
             chapter.check_tensor_parallel_degree(args.tp, config, args.seq_length // args.cp)
             degrees[item.chapter] = (args.tp, args.pp)
         assert item.note == ("parallelism not exercised on 1 GPU" if nproc == 1 and item.chapter in

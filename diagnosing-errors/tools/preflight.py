@@ -41,14 +41,14 @@ def dist_env():
     env = os.environ
     if "RANK" in env:  # torchrun, or set by hand
         return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    if "SLURM_PROCID" in env:
+    if int(env.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun's tasks; a batch script's shell is one process
         if "MASTER_ADDR" not in env:
             # NOTE: the first host of the allocation is rank 0's host under srun's default block distribution
             out = subprocess.run(["scontrol", "show", "hostnames", env["SLURM_JOB_NODELIST"]],
                                  capture_output=True, text=True, check=True).stdout
             env["MASTER_ADDR"] = out.split()[0]
         env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))  # one port per job
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env["SLURM_LOCALID"])
+        return int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"]), int(env["SLURM_LOCALID"])
     env.setdefault("MASTER_ADDR", "localhost")
     env.setdefault("MASTER_PORT", str(free_port()))
     return 0, 1, 0
