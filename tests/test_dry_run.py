@@ -179,7 +179,13 @@ def test_the_chapter_is_accepted_as_a_reader_types_it(name):
 
 @pytest.mark.parametrize("name", ["4", "04-tensor-parallel", "12", "04x"])
 def test_a_name_that_is_no_chapter_is_refused(name):
-    with pytest.raises(Exception, match="is not a chapter; give one of 01, 02"):
+    with pytest.raises(Exception, match="is not a chapter; give one of 04, 05"):
+        dry_run.chapter_number(name)
+
+
+@pytest.mark.parametrize("name", ["01", "02-distributed-data-parallel", "03"])
+def test_a_chapter_that_builds_real_weights_is_sent_to_the_estimator(name):
+    with pytest.raises(Exception, match="holds its whole model on every rank: its peak is tools/estimate_memory.py's"):
         dry_run.chapter_number(name)
 
 

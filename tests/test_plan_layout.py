@@ -115,6 +115,13 @@ def test_a_cluster_too_small_for_the_model_gets_one_line(env):
         "error: no layout fits; add GPUs, shorten --seq-length, or see chapter 05's --cpu-offload"
 
 
+@pytest.mark.parametrize("flag", ["--nnodes", "--seq-length", "--mfu"])
+def test_a_size_of_zero_gets_one_line(env, flag):
+    result = run([sys.executable, REPO / "tools" / "plan_layout.py", "-m", CONFIGS / "llama-3.1-8b", flag, "0"],
+                 env, REPO, timeout=300, check=False)
+    assert result.returncode == 1 and error_line(result) == f"error: {flag} must be positive, got 0"
+
+
 def test_the_layout_page_prints_what_the_tool_prints(env):
     """related-topics/choosing-a-layout.md's command, run as written, prints the lines the page shows."""
     page = (REPO / "related-topics" / "choosing-a-layout.md").read_text()

@@ -49,6 +49,17 @@ def test_plot_runs_names_a_missing_folder_in_one_line(env, tmp_path):
     assert result.returncode != 0 and error_line(result).startswith("error: no metrics file at")
 
 
+# NOTE: checked before any work: a figure format matplotlib lacks, an empty prompt (no token to continue).
+@pytest.mark.parametrize("command, expected", [
+    (["plot_runs.py", "nowhere", "-o", "runs.pdfx"], "error: -o runs.pdfx: write a .png or a .svg"),
+    (["generate.py", "--untrained", "--prompt", ""],
+     'error: --prompt is empty; give text to continue, e.g. --prompt "ROMEO:"'),
+], ids=["plot-format", "empty-prompt"])
+def test_a_tool_names_bad_input_in_one_line(env, tmp_path, command, expected):
+    result = run([sys.executable, TOOLS / command[0], *command[1:]], env, tmp_path, check=False)
+    assert result.returncode == 1 and error_line(result) == expected, result.stderr[-2000:]
+
+
 @pytest.mark.parametrize("chapter, nproc", [("01", None), ("04", 2)])
 def test_generate_loads_the_latest_checkpoint_and_continues_the_prompt(env, tmp_path, chapter, nproc):
     # Chapter 01 writes model.pt, chapter 04 the DCP shards of 2 ranks: generate.py must hold the trained weights.

@@ -2,7 +2,7 @@
 
     python tools/generate.py outputs/01-single-gpu --prompt "ROMEO:" --max-new-tokens 60
     python tools/generate.py outputs/llama-8b-fsdp -m meta-llama/Llama-3.1-8B --prompt "The capital of France is"
-    python tools/generate.py --untrained --prompt "ROMEO:"        # the seeded weights every chapter starts from
+    python tools/generate.py --untrained --prompt "ROMEO:"        # the seeded weights the CPU runs start from
     python tools/generate.py outputs/05-training-llama-405b --chat --prompt "Which play has this line?
 
     To be, or not to be: that is the question:"                      # a fine-tuned model, asked in its chat template
@@ -36,11 +36,13 @@ def main():
     parser.add_argument("--top-k", type=int, default=50, help="sample among the k likeliest tokens")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling (and of --untrained's weights)")
     parser.add_argument("--untrained", action="store_true",
-                        help="no checkpoint: the weights chapter 01 initializes from --seed, before any step")
+                        help="no checkpoint: the weights chapter 01 initializes from --seed on a CPU, before any step")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     if args.max_new_tokens < 1:
         fail(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.prompt:
+        fail('--prompt is empty; give text to continue, e.g. --prompt "ROMEO:"')
     if (args.experiment_dir is None) == (not args.untrained):
         fail("give an experiment folder (e.g. outputs/01-single-gpu), or --untrained for the initial weights")
 

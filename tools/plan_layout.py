@@ -46,6 +46,9 @@ EXPOSED = ("tp", "pp (stage to stage)", "ep (all-to-all)")
 
 def main():
     args = get_parser().parse_args()
+    for name in ["nnodes", "nproc_per_node", "seq_length", "global_batch_size", "gpu_memory_gb", "peak_tflops", "mfu"]:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            estimate_memory.fail(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name):g}")
     config = estimate_memory.load_config(args.model_name)
     world_size = args.nnodes * args.nproc_per_node
     global_batch = args.global_batch_size or max(1, 2 ** 22 // args.seq_length)

@@ -41,6 +41,8 @@ def main():
     parser.add_argument("--title", default=None, help="a title above the panels")
     parser.add_argument("--dpi", type=int, default=110, help="resolution of a PNG")
     args = parser.parse_args()
+    if Path(args.output).suffix not in (".png", ".svg"):
+        fail(f"-o {args.output}: write a .png or a .svg")
     if args.labels and len(args.labels) != len(args.runs):
         fail(f"{len(args.labels)} --labels for {len(args.runs)} runs; give one label per run")
     runs = [(label, read_metrics(path)) for label, path in zip(args.labels or [run_name(p) for p in args.runs],
