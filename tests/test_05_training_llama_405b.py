@@ -639,9 +639,19 @@ SFT_BAD_INPUTS = {
                          "model that has one (an Instruct model), or prompt + completion columns"),
     "all too long": (lambda tmp_path: ["--seq-length", "16"],
                      "error: all 570 examples are longer than --seq-length 16; raise it"),
-    "empty split": (lambda tmp_path: ["--eval-split", "held-out", "-d", write_jsonl(tmp_path / "empty.jsonl", [])],
-                    "error: cannot load -d {tmp_path}/empty.jsonl (it holds no data); pass a hub name, or .jsonl "
-                    ".json .csv .txt .parquet"),
+    "empty file": (lambda tmp_path: ["-d", write_jsonl(tmp_path / "empty.jsonl", [])],
+                   "error: cannot load -d {tmp_path}/empty.jsonl (it holds no data); pass a hub name, or .jsonl "
+                   ".json .csv .txt .parquet"),
+    # NOTE: a file's split name is a label only: the "held-out" data would be the training data.
+    "eval split of a file": (lambda tmp_path: ["--eval-split", "test", "-d", TINY_CHAT / "train.jsonl"],
+                             "error: --eval-split test: a file has one split, the one trained on; use --eval-fraction, "
+                             "or -d a folder or hub data set with that split"),
+    # NOTE: TRL's conversational prompt-completion: turns where the tokenizer takes text.
+    "turns as prompt and completion": (
+        lambda tmp_path: ["-d", write_jsonl(tmp_path / "turns.jsonl", [
+            {"prompt": [{"role": "user", "content": "Who?"}], "completion": [{"role": "assistant", "content": "I."}]}])],
+        "error: -d's prompt and completion columns are not plain text (columns: {'prompt': 'nested', 'completion': "
+        "'nested'}); for chat turns, pass them as one messages column"),
 }
 
 
