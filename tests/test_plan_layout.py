@@ -85,7 +85,7 @@ def test_every_pick_is_a_command_its_chapter_accepts_with_the_picked_layout(mode
             module.check_tensor_parallel_degree(tp, config, args.seq_length)
         if chapter in ("08", "11"):
             args.grad_accum = module.grad_accum_steps(args, plan["dp"])
-            module.check_pipeline_layout(args, world_size, config)
+            module.check_pipeline_layout(args, config)
         if chapter in ("09", "11"):
             module.check_context_parallel(args, config)
 
