@@ -10,8 +10,8 @@ import argparse
 import atexit
 import contextlib
 import datetime
-import functools
 import fnmatch
+import functools
 import json
 import logging
 import math
