@@ -1,7 +1,7 @@
 """Chapter 11: 4D parallelism on a (dp, pp, cp, tp) mesh, as Llama 3 405B was trained: parallelize() composes
 pipeline stages (08), tensor (06) and context parallelism (09), and FSDP over the ranks left (04).
 
-    torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2    # no GPU: 8 CPU processes
+    torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2 --batch-size 4    # 8 CPU processes
 """
 
 import argparse

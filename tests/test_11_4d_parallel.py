@@ -194,8 +194,10 @@ def test_readme_cpu_commands_are_layouts_tested_here():
     added, from a scratch folder), so they work as written."""
     commands = [shlex.split(line.strip()) for line in README.read_text().splitlines()
                 if line.strip().startswith("torchrun --standalone ")]
+    # NOTE: with 2 data-parallel ranks or more, --batch-size keeps chapter 01's default global batch of 8.
     tested = [["torchrun", "--standalone", "--nproc-per-node", str(layout(case)[0]), f"{CHAPTERS['11']}/train_llm.py",
-               *LAYOUTS[case][0]] for case in LAYOUTS]
+               *flags, *(["--batch-size", str(8 // mesh["dp"])] if mesh["dp"] > 1 else [])]
+              for case, (flags, mesh) in LAYOUTS.items()]
     assert commands, f"no 'torchrun --standalone ...' command in {README}"
     assert all(without_experiment(command) in tested for command in commands), commands
     # NOTE: each its own experiment: a later one would resume an earlier one's finished run and train nothing
