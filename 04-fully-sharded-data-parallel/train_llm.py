@@ -304,15 +304,15 @@ def get_distributed_environment(rdzv_timeout):
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
+    elif "OMPI_COMM_WORLD_RANK" in environment:
+        launcher = "mpirun"
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
         # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
         environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
-    elif "OMPI_COMM_WORLD_RANK" in environment:
-        launcher = "mpirun"
-        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
-                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
         launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")

@@ -87,7 +87,7 @@ def main():
             "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     tp_degree = args.tp if args.tp is not None else (
-        int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cuda" else 1)
+        (int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.cuda.device_count()) if device.type == "cuda" else 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
     check_tensor_parallel_degree(tp_degree, config, args.seq_length)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
@@ -170,8 +170,9 @@ def main():
         step_loss = torch.zeros((), device=device)
         for micro_step in range(args.grad_accum):
             input_ids = next(micro_batches)["input_ids"].to(device, non_blocking=True)
-            if args.dp_replicate > 1:
-                # NOTE: the replicas all-reduce their summed gradient shards once a step, in the last backward.
+            if args.dp_replicate > 1 and not args.cpu_offload:
+                # NOTE: the replicas all-reduce their summed gradient shards once a step, in the last backward
+                # (offloaded, FSDP would hold that sum on the GPU).
                 model.set_requires_all_reduce(micro_step == args.grad_accum - 1)
             # NOTE: no autocast: FSDP casts the gathered weights to bf16. The loss reads logits split by vocabulary.
             loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss / args.grad_accum
@@ -276,7 +277,7 @@ def get_parser():
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
-    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the processes on a node; on the CPU, 1)")
+    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the processes, or GPUs, of a node; on a CPU, 1)")
     group.add_argument("--dp-replicate", type=int, default=1, help="HSDP: model replicas, each sharded by FSDP")
     return parser
 
@@ -321,15 +322,15 @@ def get_distributed_environment(rdzv_timeout):
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
+    elif "OMPI_COMM_WORLD_RANK" in environment:
+        launcher = "mpirun"
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
         # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
         environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
-    elif "OMPI_COMM_WORLD_RANK" in environment:
-        launcher = "mpirun"
-        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
-                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
         launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")

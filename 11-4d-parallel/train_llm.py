@@ -1,7 +1,7 @@
 """Chapter 11: 4D parallelism on a (dp, pp, cp, tp) mesh, as Llama 3 405B was trained: parallelize() composes
 pipeline stages (08), tensor (06) and context parallelism (09), and FSDP over the ranks left (04).
 
-    torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2 --batch-size 4    # 8 CPU processes
+    torchrun --standalone --nproc-per-node 8 11-4d-parallel/train_llm.py --tp 2 --pp 2 --batch-size 4    # on CPUs
 """
 
 import argparse
@@ -88,7 +88,7 @@ def main():
             "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
     tp_degree = args.tp if args.tp is not None else (
-        int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cuda" else 1)
+        (int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.cuda.device_count()) if device.type == "cuda" else 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
     # NOTE: looked up once: mesh["pp"] reads the rank map on the host, a sync.
     dp_mesh, pp_mesh, cp_mesh = mesh["dp"], mesh["pp"], mesh["cp"]
@@ -289,7 +289,7 @@ def get_parser():
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
-    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the processes on a node; on the CPU, 1)")
+    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the processes, or GPUs, of a node; on a CPU, 1)")
     group.add_argument("--pp", type=int, default=1, help="pipeline stages; world size / pp pipelines run FSDP")
     group.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b")
     group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
@@ -343,15 +343,15 @@ def get_distributed_environment(rdzv_timeout):
     environment = os.environ
     if "RANK" in environment and "WORLD_SIZE" in environment:
         launcher = "torchrun"
+    elif "OMPI_COMM_WORLD_RANK" in environment:
+        launcher = "mpirun"
+        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
+                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
         # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
         environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
-    elif "OMPI_COMM_WORLD_RANK" in environment:
-        launcher = "mpirun"
-        environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
-                           LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     else:
         launcher = "python (one process)"
         environment.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -424,8 +424,7 @@ def rank_zero_first():
 
 
 def parallelize(model, mesh, args, dtype, stages_per_rank, token_indices):
-    """torchtitan's order: tp, cp, activation checkpointing, compile, then the pipeline split and FSDP over dp x cp.
-    A degree of 1 wraps nothing."""
+    """torchtitan's order: tp, cp, checkpointing, compile, pipeline split, FSDP over dp x cp. Size 1 wraps nothing."""
     if mesh["tp"].size() > 1:
         parallelize_model(model, mesh["tp"])
     if args.cp > 1:

@@ -34,6 +34,9 @@ LAYOUTS = {
     # Hybrid sharding with the CPU's default --tp 1: FSDP shards within ranks {0, 1} and within {2, 3}, and the
     # two groups all-reduce their gradients.
     "hsdp-replicate2-shard2": (["--dp-replicate", "2"], {"dp_replicate": 2, "dp_shard": 2, "tp": 1}),
+    # The replicas' all-reduce held for the step's last micro-batch (set_requires_all_reduce).
+    "hsdp-replicate2-accum2": (["--dp-replicate", "2", "--grad-accum", "2"],
+                               {"dp_replicate": 2, "dp_shard": 1, "tp": 1}),
 }
 
 
@@ -44,7 +47,8 @@ def layout(case):
     for name, size in mesh.items():
         nproc *= size
         dp_size *= 1 if name == "tp" else size
-    return nproc, dp_size, [*flags, "--batch-size", str(GLOBAL_BATCH // dp_size)]
+    grad_accum = int(flags[flags.index("--grad-accum") + 1]) if "--grad-accum" in flags else 1
+    return nproc, dp_size, [*flags, "--batch-size", str(GLOBAL_BATCH // (dp_size * grad_accum))]
 
 
 def reference_run(runs, env, *clipping):
@@ -174,7 +178,8 @@ def test_readme_cpu_commands_are_layouts_tested_here():
     # NOTE: each its own experiment: a later one would resume an earlier one's finished run and train nothing
     assert len({readme_experiment(command, "07") for command in commands}) == len(commands)
     layouts = [without_experiment(command) for command in commands]
-    assert tested[0] in layouts and tested[-1] in layouts, "the README shows dp 2 x tp 2 and hybrid sharding"
+    hybrid = tested[list(LAYOUTS).index("hsdp-replicate2-shard2")]
+    assert tested[0] in layouts and hybrid in layouts, "the README shows dp 2 x tp 2 and hybrid sharding"
 
 
 def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):

@@ -232,8 +232,8 @@ def test_preflight_fails_clearly_when_a_rank_cannot_join(scratch, env):
 def test_preflight_under_slurm_without_torchrun(scratch, env):
     # srun starts one process per task with SLURM_* set; MASTER_ADDR comes from scontrol (a fake here).
     port = free_port()
-    slurm = {"SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "localhost,node2", "SLURM_JOB_ID": "77",
-             "MASTER_PORT": str(port)}
+    slurm = {"SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NODELIST": "localhost,node2",
+             "SLURM_JOB_ID": "77", "MASTER_PORT": str(port)}
     jobs = [Job("python diagnosing-errors/tools/preflight.py --timeout 60", {
         **with_fakes(env, scratch), **slurm, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}, scratch)
         for rank in (0, 1)]

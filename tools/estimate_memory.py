@@ -916,8 +916,9 @@ def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes
             add(name, group.shards, "all_gather", gathered, calls=gathers)
             reduces = 1 if layout.reduces_once_per_step else micro_batches
             add(name, group.shards, "reduce_scatter", 4 * group.padded_numel, calls=reduces)
-            # NOTE: chapter 07 all-reduces the replicas' gradient shards in a step's last backward only.
-            add("dp replicas (HSDP)", layout.dp_replicate, "all_reduce", 4 * group.padded_numel // shard_group)
+            # NOTE: chapter 07 all-reduces the replicas' gradient shards in a step's last backward (offloaded: in each).
+            add("dp replicas (HSDP)", layout.dp_replicate, "all_reduce", 4 * group.padded_numel // shard_group,
+                calls=micro_batches if layout.cpu_offload else 1)
         # NOTE: clip_grad_norm_ all-reduces the stacked partial norms of the parameters, one fp32 number each.
         add("dp (FSDP)", shard_group, "all_reduce", 4 * len(stage_parameters))
     else:

@@ -41,7 +41,7 @@ def main():
     parser.add_argument("--title", default=None, help="a title above the panels")
     parser.add_argument("--dpi", type=int, default=110, help="resolution of a PNG")
     args = parser.parse_args()
-    if Path(args.output).suffix not in (".png", ".svg"):
+    if Path(args.output).suffix.lower() not in (".png", ".svg"):
         fail(f"-o {args.output}: write a .png or a .svg")
     if args.labels and len(args.labels) != len(args.runs):
         fail(f"{len(args.labels)} --labels for {len(args.runs)} runs; give one label per run")
