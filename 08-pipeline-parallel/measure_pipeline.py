@@ -225,9 +225,9 @@ def record(script, script_args):
             recorder.gather()
         return read_and_reset_memory_stats(device)
 
-    def recorded_layout(args, world_size, config):
+    def recorded_layout(args, config):
         recorder.args = args
-        stages_per_rank, recorder.num_microbatches = check_pipeline_layout(args, world_size, config)
+        stages_per_rank, recorder.num_microbatches = check_pipeline_layout(args, config)
         return stages_per_rank, recorder.num_microbatches
 
     def log_metrics_and_pipeline(metrics_file, record):
