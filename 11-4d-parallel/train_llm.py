@@ -289,7 +289,7 @@ def get_parser():
     group.add_argument("--cpu-offload", action="store_true", help="keep the model and AdamW in CPU memory (CUDA only)")
     group.add_argument("--dist-timeout", type=int, default=600, help="seconds a collective waits before the job fails")
     group.add_argument("--rdzv-timeout", type=int, default=300, help="seconds to wait for rank 0 (srun, mpirun)")
-    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: the processes, or GPUs, of a node; on a CPU, 1)")
+    group.add_argument("--tp", type=int, help="tensor-parallel degree (default: a node's processes; on a CPU, 1)")
     group.add_argument("--pp", type=int, default=1, help="pipeline stages; world size / pp pipelines run FSDP")
     group.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b")
     group.add_argument("--pp-microbatches", type=int, help="micro-batches per --batch-size (default: one each)")
