@@ -243,6 +243,9 @@ BAD_INPUTS = {
                                           "(JSON parse error"),
     "a column of numbers": (lambda tmp: ["-d", str(write(tmp / "numbers.jsonl", '{"text": 5}\n'))],
                             "no text column 'text' (columns: {'text': 'int64'})"),
+    "one malformed line among good ones": (lambda tmp: ["-d", str(write(tmp / "one-bad.jsonl", '{"text": "To be"}\n'
+                                                                         * 40 + '{"text": "or not\n'))],
+                                           "(JSON parse error"),
 }
 
 

@@ -160,9 +160,10 @@ def test_a_layout_that_does_not_fit_the_world_gets_a_one_line_error(env, tmp_pat
     flags, expected = BAD_LAYOUTS[case]
     result, _ = train("07", env, tmp_path, *COMMON, *flags, nproc=2, check=False, timeout=180)
     assert result.returncode == 1
-    # Each rank prints the one line and exits; torchrun then adds its own summary of the failed ranks.
+    # NOTE: each rank checks the layout on its own, rank 1 after rank 0 (rank_zero_first loads the config): the first
+    # to stop prints the line, and torchrun then stops the others, which on a loaded machine may not have printed yet.
     errors = error_lines(result.stderr)
-    assert len(errors) == 2 and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
+    assert 1 <= len(errors) <= 2 and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
 
 

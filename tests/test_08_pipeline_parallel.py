@@ -349,9 +349,10 @@ def test_a_bad_pp_or_micro_batch_count_gets_a_one_line_error(env, tmp_path, case
     if nproc is None:
         assert error_line(result).startswith(expected), result.stderr[-3000:]
     else:
-        # Each rank prints the one line and exits; torchrun then adds its own summary of the failed ranks.
+        # NOTE: each rank checks the layout on its own, rank 1 after rank 0 (rank_zero_first loads the config): the
+        # first to stop prints the line; torchrun then stops the others, which on a busy machine may not have printed.
         errors = error_lines(result.stderr)
-        assert len(errors) == nproc and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
+        assert 1 <= len(errors) <= nproc and all(line.startswith(expected) for line in errors), result.stderr[-3000:]
     assert "train_llm.py\", line" not in result.stderr, "a rank printed a traceback"
 
 
