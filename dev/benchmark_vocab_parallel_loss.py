@@ -5,9 +5,11 @@ VocabParallelCrossEntropy (after).
 
     torchrun --standalone --nproc-per-node 2 dev/benchmark_vocab_parallel_loss.py --tokens 2048 --vocab 32768
 
-Both give the same loss and gradient from the same fp32 logits (checked). Counted as dev/count_host_ops.py counts: a
-dispatch with a DTensor argument is counted and handed to DTensor, whose operators on local tensors come back and
-count as plain. On a GPU each byte written is memory traffic; the peak is not measured (CPU tensors, no allocator).
+Both give the same loss and gradient from the same fp32 logits (checked), the chapter's through its loss function.
+Each runs once before it is counted (DTensor caches its shape propagation, as steps after the first do). As in
+dev/count_host_ops.py, a dispatch with a DTensor argument is counted and handed to DTensor, whose operators on local
+tensors come back and count as plain; FakeTensor dispatches (shape propagation) are not counted. Bytes written: each
+output of an operator, but only the source of a scatter or index_put (a few elements). The peak is not measured.
 """
 
 import argparse
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -34,12 +37,24 @@ class Counter(TorchDispatchMode):
         if any(issubclass(kind, DTensor) for kind in types):
             self.dtensor += 1
             return NotImplemented
-        self.plain += 1
         out = func(*args, **(kwargs or {}))
-        if not func.is_view:  # NOTE: a view writes nothing
-            self.written += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
-                                if isinstance(t, torch.Tensor))
+        if any(issubclass(kind, FakeTensor) for kind in types):
+            return out
+        self.plain += 1
+        name = func.overloadpacket.__name__
+        if name in PARTIAL_WRITES:
+            self.written += tensor_bytes(args[PARTIAL_WRITES[name]])
+        elif not func.is_view:  # NOTE: a view writes nothing
+            self.written += tensor_bytes(out)
         return out
+
+
+# In-place operators that write only the elements of one argument: its position.
+PARTIAL_WRITES = {"index_put_": 2, "index_put": 2, "scatter_add_": 3, "scatter_add": 3, "scatter_": 3}
+
+
+def tensor_bytes(value):
+    return sum(t.numel() * t.element_size() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
 
 
 def main():
@@ -56,19 +71,24 @@ def main():
     generator = torch.Generator().manual_seed(0)
     labels = torch.randint(0, args.vocab, (args.tokens,), generator=generator)
     local = torch.randn(args.tokens, args.vocab, generator=generator).chunk(world_size, -1)[rank].contiguous()
+    def before(logits):
+        with loss_parallel():
+            loss = torch.nn.functional.cross_entropy(DTensor.from_local(logits, mesh, [Shard(-1)], run_check=False),
+                                                     labels)
+            loss.backward()
+        return loss
+
+    def after(logits):
+        loss = chapter.vocab_parallel_loss(logits, None, args.vocab, shift_labels=labels, tp_group=mesh.get_group())
+        loss.backward()
+        return loss
+
     results = {}
-    for name in ["loss_parallel()", "local tensors"]:
-        logits = local.clone().requires_grad_()
-        counter = Counter()
+    for name, loss_of in [("loss_parallel()", before), ("local tensors", after)]:
+        loss_of(local.clone().requires_grad_())
+        logits, counter = local.clone().requires_grad_(), Counter()
         with counter:
-            if name == "loss_parallel()":
-                with loss_parallel():
-                    dtensor = DTensor.from_local(logits, mesh, [Shard(-1)], run_check=False)
-                    loss = torch.nn.functional.cross_entropy(dtensor, labels)
-                    loss.backward()
-            else:
-                loss = chapter.VocabParallelCrossEntropy.apply(logits, labels, mesh.get_group()).mean()
-                loss.backward()
+            loss = loss_of(logits)
         value = loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item()
         results[name] = (value, counter.plain, counter.dtensor, counter.written, logits.grad)
     (loss_a, *_, grad_a), (loss_b, *_, grad_b) = results.values()

@@ -25,8 +25,8 @@ COMMON = ["--max-steps", str(STEPS), "--wandb-mode", "disabled"]
 GLOBAL_BATCH = 4
 FINAL_CHECKPOINT = f"checkpoint-{STEPS:08d}"
 
-# The layout flags, as the README writes them, and the mesh they must give; --batch-size is 4 / dp. Clipping at 1.0
-# binds at every step (chapter 01's norms are 1.9 to 5.8), except in the case with NO_CLIPPING.
+# The layout flags, as the README writes them, and the mesh they must give; --batch-size is 4 / dp / --grad-accum.
+# Clipping at 1.0 binds at every step (chapter 01's norms are 1.9 to 5.8), except in the cases with NO_CLIPPING.
 LAYOUTS = {
     "tp2-pp2-dp2": (["--tp", "2", "--pp", "2"], {"dp": 2, "pp": 2, "cp": 1, "tp": 2}),
     "tp2-cp2-dp2": (["--tp", "2", "--cp", "2"], {"dp": 2, "pp": 1, "cp": 2, "tp": 2}),
