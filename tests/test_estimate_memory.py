@@ -52,6 +52,11 @@ CASES = {
     "08 llama pp2 dp2 reduce per step": ("08", 4, "llama", ["--pp", "2", "--pp-grad-reduce", "step", "--max-steps",
                                                             "2"], {"pp": 2, "dp": 2, "fsdp": True,
                                                                    "pp_grad_reduce": "step"}),
+    # NOTE: 4 micro-batches on 2 ranks x 2 stages each: rank 0 holds 5 of its half-size stages' in flight, 1F1B 2 whole.
+    "08 llama pp2 interleaved grad-accum 2": ("08", 2, "llama", ["--pp", "2", "--pp-schedule", "interleaved-1f1b",
+                                                                 "--grad-accum", "2"],
+                                              {"pp": 2, "fsdp": True, "pp_schedule": "interleaved-1f1b",
+                                               "batch_size": 1, "grad_accum": 4}),
     "09 llama cp2": ("09", 2, "llama", ["--cp", "2"], {"cp": 2, "fsdp": True}),
     "10 moe ep2 edp2": ("10", 4, "moe", ["--ep", "2"], {"dp": 4, "ep": 2, "fsdp": True}),
     # NOTE: 2 steps: a pipeline's first step also runs one micro-batch's forward to learn the shapes its stages send

@@ -16,7 +16,8 @@ folder works). The layout flags are the chapters' own:
                            chapter 05's groups; --activation-checkpointing and --cpu-offload as in chapter 05
     --tp T                 chapter 06: tensor + sequence parallel, loss parallel
     --tp T --dp N --fsdp   chapter 07: TP inside a node, FSDP across (--dp-replicate R for hybrid sharding)
-    --pp P                 chapter 08: P pipeline stages (1F1B), FSDP inside each with --fsdp
+    --pp P                 chapter 08: P pipeline stages (1F1B; --pp-schedule for GPipe or interleaved 1F1B),
+                           FSDP inside each with --fsdp
     --cp C                 chapter 09: ring attention over C ranks, FSDP over dp x cp with --fsdp
     --dp N --fsdp --ep E   chapter 10: a mixture of experts' experts split over E ranks (E/ep whole experts each),
                            FSDP over the dp/E ranks that hold the same experts, tokens sent by all-to-all; the rest
@@ -84,7 +85,9 @@ def get_parser():
     parser.add_argument("--split-root-group", action="store_true",
                         help="chapter 05's FSDP groups: the embedding freed after its forward, norm and head apart")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06's plan)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages (chapter 08, 1F1B schedule)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (chapter 08)")
+    parser.add_argument("--pp-schedule", choices=list(IN_FLIGHT), default="1f1b",
+                        help="chapter 08's and 11's schedule (interleaved: 2 stages per rank, their default)")
     parser.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
                         help="chapter 08's and 11's: gradients reduce-scattered in every micro-batch, or once a step")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 09, ring attention)")
@@ -155,6 +158,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     pp_grad_reduce: str = "microbatch"
+    pp_schedule: str = "1f1b"
     cp: int = 1
     ep: int | None = None       # None: no expert parallelism (chapter 04's FSDP treats experts as any parameter)
     activation_checkpointing: bool = False
@@ -169,6 +173,10 @@ class Layout:
     def reduces_once_per_step(self):
         """--pp-grad-reduce step (chapters 08, 11): FSDP's gradients accumulate whole until the step's last backward."""
         return self.fsdp and self.pp > 1 and self.pp_grad_reduce == "step"
+
+    @property
+    def stages_per_rank(self):
+        return 2 if self.pp_schedule.startswith("interleaved") else 1
 
     @property
     def world_size(self):
@@ -312,8 +320,9 @@ def check_layout(parameters, dims, layout):
                 fail(f"--tp {layout.tp} does not divide the {what}, {size} (chapter 06 needs every split even)")
     if layout.cp > 1 and layout.seq_length % layout.cp:
         fail(f"--cp {layout.cp} does not divide --seq-length {layout.seq_length}")
-    if layout.pp > dims.layers:
-        fail(f"--pp {layout.pp} is more stages than the model's {dims.layers} decoder layers")
+    if layout.pp * layout.stages_per_rank > dims.layers:
+        fail(f"--pp {layout.pp} x {layout.stages_per_rank} stages per rank is more stages than the model's "
+             f"{dims.layers} decoder layers")
 
 
 def check_expert_layout(parameters, dims, layout):
@@ -369,11 +378,14 @@ def rank_coordinates(layout):
     return Coordinates(pp=pp, replicate=replicate, shard=shard, cp=cp, tp=tp, edp=edp, ep=ep)
 
 
-def stage_layers(dims, layout, stage):
-    """The decoder layers of a pipeline stage: as even a split as the layers allow, earlier stages taking the rest."""
-    per_stage, extra = divmod(dims.layers, layout.pp)
-    start = stage * per_stage + min(stage, extra)
-    return range(start, start + per_stage + (stage < extra))
+def stage_layers(dims, layout, pp_rank):
+    """The decoder layers of a pipeline rank: its stages pp_rank, pp_rank + pp, ... of pp x stages per rank, as even
+    a split as the layers allow, earlier stages taking the rest."""
+    num_stages = layout.pp * layout.stages_per_rank
+    per_stage, extra = divmod(dims.layers, num_stages)
+    starts = [stage * per_stage + min(stage, extra) for stage in range(num_stages + 1)]
+    return [layer for stage in range(pp_rank, num_stages, layout.pp)
+            for layer in range(starts[stage], starts[stage + 1])]
 
 
 def on_this_stage(param, dims, layout, stage):
@@ -581,17 +593,14 @@ def activation_model(dims, layout, coords, widths):
     dense_layer_bytes = per_token_layer * tokens
     moe_layer_bytes = (per_token_layer - mlp + moe_mlp) * tokens
     layer_input = w["residual"] * h / t * tokens
-    first, last = 0, dims.layers
-    if layout.pp > 1:
-        layers = stage_layers(dims, layout, coords.pp)
-        first, last = layers.start, layers.stop
-    num_layers = last - first
-    num_moe_layers = sum(first <= layer < last for layer in dims.moe_layers)
+    layers = stage_layers(dims, layout, coords.pp) if layout.pp > 1 else range(dims.layers)
+    num_layers = len(layers)
+    num_moe_layers = sum(layer in layers for layer in dims.moe_layers)
     layer_bytes = moe_layer_bytes if num_moe_layers else dense_layer_bytes
     is_last_stage = coords.pp == layout.pp - 1
     # NOTE: under TP the embedding's output is whole (Replicate); layer 0 keeps a slice of it, a view that keeps
     # the whole storage alive.
-    embedding = (w["residual"] * h * (1 - 1 / t) * tokens) if first == 0 and t > 1 else 0
+    embedding = (w["residual"] * h * (1 - 1 / t) * tokens) if 0 in layers and t > 1 else 0
     final_norm = norm * tokens if is_last_stage else 0
     vocab_local = dims.vocab / t
     # NOTE: the loss keeps log_softmax's fp32 output; its backward holds two more fp32 logits-sized tensors, measured
@@ -601,8 +610,7 @@ def activation_model(dims, layout, coords, widths):
     backward_bytes = (w["matmul"] if w["matmul"] != w["loss"] else 0) if t > 1 else 2 * w["loss"]
     loss_backward = backward_bytes * vocab_local * tokens if is_last_stage else 0
     rotary = 2 * w["residual"] * layout.seq_length // layout.cp * dims.head_dim
-    # NOTE: 1F1B's warm-up: stage s runs pp - s forwards before its first backward.
-    in_flight = min(layout.pp - coords.pp, layout.grad_accum) if layout.pp > 1 else 1
+    in_flight = IN_FLIGHT[layout.pp_schedule](layout.pp, coords.pp, layout.grad_accum) if layout.pp > 1 else 1
     if layout.activation_checkpointing:
         saved_layers = num_layers * layer_input
     else:
@@ -613,6 +621,14 @@ def activation_model(dims, layout, coords, widths):
             "loss_backward_bytes": loss_backward, "final_norm_bytes": final_norm, "in_flight": in_flight,
             "largest_layer_tensor_bytes": max(w["matmul"] * i / t, w["residual"] * h) * tokens if not num_moe_layers
             else w["matmul"] * dims.top_k * max(h, 2 * dims.moe_intermediate) * tokens, "tokens": tokens}
+
+
+# The micro-batches whose activations a pipeline rank holds at once, in passes through all its layers, by schedule:
+# (stages p, this rank r, micro-batches m a step). NOTE: 1F1B's warm-up runs p - r forwards before the first
+# backward; interleaved 1F1B (torch's _get_warmup_ops) runs (v - 1) x p + 2 (p - 1 - r) + 1 chunks of 1/v, v = 2
+# (with m >= p; a round of m < p micro-batches takes m's place).
+IN_FLIGHT = {"gpipe": lambda p, r, m: m, "1f1b": lambda p, r, m: min(p - r, m),
+             "interleaved-1f1b": lambda p, r, m: min(m // max(1, m // p) + 2 * (p - 1 - r) + 1, 2 * m) / 2}
 
 
 def moe_mlp_bytes_per_token(dims, widths):
@@ -950,7 +966,9 @@ def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes
     if layout.pp > 1:
         tokens = layout.batch_size * layout.seq_length // layout.cp
         boundary = widths["residual"] * dims.hidden / layout.tp * tokens
-        sends = (coords.pp < layout.pp - 1) + (coords.pp > 0)  # activations forward, their gradients backward
+        # NOTE: each of this rank's stages sends activations forward and their gradients backward, but at the ends.
+        num_stages = layout.pp * layout.stages_per_rank
+        sends = sum((stage < num_stages - 1) + (stage > 0) for stage in range(coords.pp, num_stages, layout.pp))
         add("pp (stage to stage)", 2, "send", boundary, calls=sends * micro_batches)
         # NOTE: the gradient norm of the whole model: the stages' squared norms summed, one fp32 number.
         add("pp (stage to stage)", layout.pp, "all_reduce", 4)

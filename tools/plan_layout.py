@@ -15,7 +15,7 @@ accumulation for the rest (the pipeline's micro-batches, with --pp); a layout wh
     compute   = FLOPs per GPU / (--peak-tflops x --mfu), with the chapters' FLOPs per token (the MFU they log):
                 6 x the active parameters but the input embedding + 12 x layers x heads x head size x sequence,
                 x 4/3 with activation checkpointing
-    bubble    = compute x b / (1 - b), 1F1B's b = (p - 1) / (m + p - 1)
+    bubble    = compute x b / (1 - b), 1F1B's b = (p - 1) / (m + p - 1), interleaved 1F1B's (p - 1) / (2m + p - 1)
     exposed   = what the chapters wait for: tensor parallel's collectives, the pipeline's sends, the all-to-alls
     overlapped = what runs beside the compute: FSDP's and DDP's collectives, context parallel's ring
     step      = max(compute + bubble + exposed, overlapped)
@@ -24,10 +24,10 @@ A collective's time is its bytes (estimate_memory's, per GPU) over the link's ba
 hop and call (2(n - 1) hops for an all-reduce, n - 1 for the others): --bandwidth-gbs and --latency-us give the
 link inside a node and between nodes. Each chapter's mesh says which groups cross nodes: tensor parallel stays in a
 node, and a group whose ranks span more than a node's GPUs crosses. The ring's passes count as overlapped, which
-is optimistic at short sequences (each pass overlaps one block's attention only). The pipeline runs 1F1B, whose
-memory the estimator models, with gradients reduced per micro-batch or once a step (--pp-grad-reduce); interleaving
-cuts the bubble (chapter 08) at a memory cost it does not model. Every number is an estimate: dry-run the pick
-(tools/dry_run.py) before renting the cluster.
+is optimistic at short sequences (each pass overlaps one block's attention only). The pipeline runs 1F1B or
+interleaved 1F1B with 2 stages per rank (chapter 08: a smaller bubble, more micro-batches in flight, twice the
+sends), with gradients reduced per micro-batch or once a step (--pp-grad-reduce). Every number is an estimate:
+dry-run the pick (tools/dry_run.py) before renting the cluster.
 """
 
 import argparse
@@ -105,6 +105,7 @@ class Plan:
     zero1: bool
     activation_checkpointing: bool
     pp_grad_reduce: str
+    pp_schedule: str
     grad_accum: int
     peak_gb: float
     compute_seconds: float
@@ -120,7 +121,8 @@ class Plan:
 
     @property
     def splits(self):
-        return sum(size > 1 for size in (self.tp, self.pp, self.cp, self.ep)) + self.activation_checkpointing
+        return sum(size > 1 for size in (self.tp, self.pp, self.cp, self.ep)) + self.activation_checkpointing + (
+            self.pp_schedule != "1f1b")
 
     def as_dict(self):
         return {**{name: getattr(self, name) for name in self.__dataclass_fields__}, "step_seconds": self.step_seconds}
@@ -130,6 +132,7 @@ class Plan:
         parts = [f"{kind} {self.dp}" if self.dp > 1 else "",
                  *(f"{name} {size}" for name, size in [("tp", self.tp), ("pp", self.pp), ("cp", self.cp),
                                                         ("ep", self.ep)] if size > 1),
+                 "interleaved 1F1B" if self.pp_schedule == "interleaved-1f1b" else "",
                  "activation checkpointing" if self.activation_checkpointing else "",
                  "gradients reduced once a step" if self.pp_grad_reduce == "step" else ""]
         return (f"chapter {self.chapter}: {', '.join(filter(None, parts))}; peak {self.peak_gb:.1f} GB; step "
@@ -154,17 +157,27 @@ def candidates(config, args, world_size, global_batch):
                     continue   # 1F1B: a micro-batch per stage at least
                 for ep in expert_degrees(dp, tp, cp, pp, experts, config):
                     chapter = pick_chapter(dp, tp, pp, cp, ep)
-                    # (chapter, zero1, activation checkpointing, --pp-grad-reduce); chapter 02 too, with no other
-                    # split: DDP and ZeRO-1, without activation checkpointing.
-                    options = [(chapter, False, checkpointing, reduce) for checkpointing in (False, True)
-                               for reduce in (["microbatch", "step"] if pp > 1 else ["microbatch"])]
-                    options += [("02", zero1, False, "microbatch") for zero1 in (False, True)] \
+                    # (chapter, zero1, activation checkpointing, --pp-grad-reduce, --pp-schedule); chapter 02 too,
+                    # with no other split: DDP and ZeRO-1, without activation checkpointing.
+                    options = [(chapter, False, checkpointing, reduce, schedule) for checkpointing in (False, True)
+                               for reduce in (["microbatch", "step"] if pp > 1 else ["microbatch"])
+                               for schedule in pipeline_schedules(pp, grad_accum, config)]
+                    options += [("02", zero1, False, "microbatch", "1f1b") for zero1 in (False, True)] \
                         if chapter == "04" and dp > 1 else []
-                    for chapter, zero1, checkpointing, reduce in options:
+                    for chapter, zero1, checkpointing, reduce, schedule in options:
                         plan = estimate(config, args, world_size, chapter, dp, tp, pp, cp, ep, zero1, checkpointing,
-                                        reduce, grad_accum, global_batch)
+                                        reduce, schedule, grad_accum, global_batch)
                         if plan is not None:
                             yield plan
+
+
+def pipeline_schedules(pp, micro_batches, config):
+    """1F1B, and interleaved 1F1B where its 2 stages per rank have a layer each and its rounds are equal (chapter 08's
+    rules)."""
+    if pp == 1:
+        return ["1f1b"]
+    interleaved = 2 * pp <= config.num_hidden_layers and micro_batches % max(1, micro_batches // pp) == 0
+    return ["1f1b", "interleaved-1f1b"] if interleaved else ["1f1b"]
 
 
 def expert_degrees(dp, tp, cp, pp, experts, config):
@@ -175,13 +188,13 @@ def expert_degrees(dp, tp, cp, pp, experts, config):
     return [size for size in (1, 2, 4, 8, 16, 32, 64) if dp % size == 0 and count % size == 0]
 
 
-def estimate(config, args, world_size, chapter, dp, tp, pp, cp, ep, zero1, checkpointing, reduce, grad_accum,
-             global_batch):
+def estimate(config, args, world_size, chapter, dp, tp, pp, cp, ep, zero1, checkpointing, reduce, schedule,
+             grad_accum, global_batch):
     # NOTE: every chapter but 02 and 06 shards with FSDP, at dp 1 too (over cp in chapters 09 and 11).
     layout = estimate_memory.Layout(dp=dp, zero1=zero1, fsdp=chapter not in ("02", "06"), tp=tp, pp=pp, cp=cp,
                                     ep=ep if ep > 1 else None, activation_checkpointing=checkpointing,
-                                    pp_grad_reduce=reduce, batch_size=1, seq_length=args.seq_length,
-                                    grad_accum=grad_accum, dtype="bfloat16")
+                                    pp_grad_reduce=reduce, pp_schedule=schedule, batch_size=1,
+                                    seq_length=args.seq_length, grad_accum=grad_accum, dtype="bfloat16")
     try:
         result = estimate_memory.estimate_step(config, layout)
     except SystemExit:
@@ -189,7 +202,7 @@ def estimate(config, args, world_size, chapter, dp, tp, pp, cp, ep, zero1, check
     tokens_per_gpu = global_batch * args.seq_length / world_size
     compute = tokens_per_gpu * flops_per_token(config, result, args.seq_length) * (4 / 3 if checkpointing else 1) / (
         args.peak_tflops * 1e12 * args.mfu)
-    bubble_share = result["pipeline_bubble"].get("1f1b", 0.0)
+    bubble_share = result["pipeline_bubble"].get(schedule, 0.0)
     spans = group_spans(chapter, world_size, dp, tp, pp, cp, ep)
     exposed = overlapped = 0.0
     for name, group in result["comm_by_group"].items():
@@ -198,9 +211,9 @@ def estimate(config, args, world_size, chapter, dp, tp, pp, cp, ep, zero1, check
             exposed += seconds
         else:
             overlapped += seconds
-    return Plan(dp, tp, pp, cp, ep, chapter not in ("02", "06"), zero1, checkpointing, reduce, grad_accum,
+    return Plan(dp, tp, pp, cp, ep, chapter not in ("02", "06"), zero1, checkpointing, reduce, schedule, grad_accum,
                 result["peak_bytes"] / 1e9, compute, compute * bubble_share / (1 - bubble_share), exposed, overlapped,
-                chapter, command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing, reduce))
+                chapter, command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing, reduce, schedule))
 
 
 def flops_per_token(config, result, seq_length):
@@ -245,13 +258,14 @@ def pick_chapter(dp, tp, pp, cp, ep):
     return "08" if pp > 1 else "09" if cp > 1 else "04"
 
 
-def command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing, reduce):
+def command(chapter, args, global_batch, tp, pp, cp, ep, zero1, checkpointing, reduce, schedule):
     flags = ["-m", args.model_name, "--seq-length", str(args.seq_length), "--batch-size", "1", "--global-batch-size",
              str(global_batch)]
     flags += ["--zero1"] if zero1 else []
     flags += ["--tp", str(tp)] if chapter in ("07", "11") else []   # chapter 06: tp is the world size
     flags += ["--pp", str(pp)] if pp > 1 else []
     flags += ["--pp-grad-reduce", "step"] if reduce == "step" else []
+    flags += ["--pp-schedule", schedule] if schedule != "1f1b" else []
     flags += ["--cp", str(cp)] if cp > 1 else []
     flags += ["--ep", str(ep)] if ep > 1 else []
     flags += ["--activation-checkpointing"] if checkpointing else []
