@@ -530,6 +530,36 @@ def load_script(chapter):
     return module
 
 
+def planned_layouts(model, *args):
+    """tools/plan_layout.py's layouts for data/configs/MODEL, best first (its --json list, run in this process)."""
+    import io
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import plan_layout
+
+    argv = sys.argv
+    sys.argv = ["plan_layout.py", "-m", str(REPO / "data" / "configs" / model), *args, "--json", "--top", "100"]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            plan_layout.main()
+    finally:
+        sys.argv = argv
+    return json.loads(printed.getvalue())
+
+
+def command_words(command):
+    """(the chapter, its train_llm.py, its flags) of a torchrun or sbatch command."""
+    import shlex
+
+    words = shlex.split(command)
+    if words[0].startswith("TRAIN_SCRIPT="):
+        script, flags = words[0].split("=", 1)[1], words[words.index("03-job-launchers/job.sbatch") + 1:]
+    else:
+        script = next(word for word in words if word.endswith("/train_llm.py"))
+        flags = words[words.index(script) + 1:]
+    return script[:2], script, flags
+
+
 def memory_held(result):
     """{rank: {"parameters": MB, "gradients": MB, "optimizer state": MB}} from each rank's line
     'memory held by this rank: parameters X MB, gradients Y MB, optimizer state Z MB' (FSDP chapters)."""

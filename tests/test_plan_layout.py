@@ -2,45 +2,19 @@
 its step model's arithmetic, and one line when nothing fits. Its memory is tools/estimate_memory.py's, which
 tests/test_estimate_memory.py and tests/test_dry_run.py hold to measured and dry-run peaks."""
 
-import contextlib
-import io
-import json
 import re
 import shlex
 import sys
 
 import pytest
 
-from helpers import REPO, error_line, load_script, run
+from helpers import REPO, command_words, error_line, load_script, planned_layouts as plans, run
 
 sys.path.insert(0, str(REPO / "tools"))
 import plan_layout  # noqa: E402
 
 CONFIGS = REPO / "data" / "configs"
 pytestmark = pytest.mark.quick
-
-
-def plans(model, *args):
-    """The tool's layouts for data/configs/MODEL, best first (its --json list, in this process)."""
-    argv = sys.argv
-    sys.argv = ["plan_layout.py", "-m", str(CONFIGS / model), *args, "--json", "--top", "100"]
-    try:
-        with contextlib.redirect_stdout(io.StringIO()) as printed:
-            plan_layout.main()
-    finally:
-        sys.argv = argv
-    return json.loads(printed.getvalue())
-
-
-def command_words(command):
-    """(the chapter, its train_llm.py's flags) of a torchrun or sbatch command."""
-    words = shlex.split(command)
-    if words[0].startswith("TRAIN_SCRIPT="):
-        script, flags = words[0].split("=", 1)[1], words[words.index("03-job-launchers/job.sbatch") + 1:]
-    else:
-        script = next(word for word in words if word.endswith("/train_llm.py"))
-        flags = words[words.index(script) + 1:]
-    return script[:2], script, flags
 
 
 def test_llama_8b_on_one_node_of_eight_gpus_gets_fsdp_alone():
