@@ -8,13 +8,15 @@ inductor runs in 07, the layer's DTensor graphs under tensor parallelism (04-06-
 each further inductor job costs 45-80 s of the suite's budget. One job of tests/many_runs.py per chapter runs its
 uninterrupted runs (11: two layouts), then a run of the first layout stopped after step 3 and its resumption
 (inductor's 07 resumes through 11's tp 2 x pp 2). The tiny Llama of the family matrix (tests/helpers.py), on the
-first 15 texts of the corpus.
+first 15 texts of the corpus. Without --compile, each chapter's --activation-checkpointing is seen to recompute.
 """
+
+import sys
 
 import pytest
 
-from helpers import (FAMILIES, GRAD_NORM_TOLERANCE, MANY_RUNS, family_folder_name, read_metrics, torchrun,
-                     with_faults)
+from helpers import (COUNTING_RUN, FAMILIES, GRAD_NORM_TOLERANCE, MANY_RUNS, TINY_MODEL, counted, family_folder_name,
+                     read_metrics, torchrun, train, with_faults)
 
 STEPS, HALF = 6, 3
 ARGS = ["--seq-length", "32", "--max-steps", str(STEPS), "--wandb-mode", "disabled"]
@@ -86,3 +88,16 @@ def test_compiled_checkpointed_layers_train_as_chapter_01_and_resume_exactly(run
         assert [(record["loss"], record["grad_norm"]) for record in job["resumed"]] == \
                [(record["loss"], record["grad_norm"]) for record in job["straight"][0]]
         assert job["resumed_lines"] == STEPS, job["resumed_lines"]
+
+
+@pytest.mark.parametrize("chapter", ["04", "06", "07", "08", "09", "10", "11"])
+def test_activation_checkpointing_recomputes_every_layer_in_backward(env, tmp_path, chapter):
+    """The positive control of the flag (05's own test compares runs with and without it): one process, eager, the
+    tiny Llama (10's dense layers at --ep 1), 2 steps of one micro-batch under tests/counting_run.py: each of the 4
+    decoder layers' MLPs runs forward twice a step, once more in backward. Chapter 08 also runs the 4 layers once to
+    learn the stage's shapes (the pipeline's metadata inference)."""
+    steps, layers = 2, 4
+    result, _ = train(chapter, env, tmp_path, "--max-steps", str(steps), "--activation-checkpointing", "--wandb-mode",
+                      "disabled", "-m", TINY_MODEL, launcher=[sys.executable, COUNTING_RUN])
+    expected = 2 * layers * steps + (layers if chapter == "08" else 0)
+    assert counted(result) == {0: {"mlp_forwards": expected, "unique_graphs": 0, "graph_breaks": 0}}
