@@ -7,6 +7,7 @@ as written (tests/test_repo.py checks that its excerpts are the script's lines).
 `pytest -s` prints the figures: the largest loss and weight differences from chapter 01, and the module check's.
 """
 
+import json
 import re
 import shlex
 import sys
@@ -251,3 +252,51 @@ def test_the_readme_cpu_commands_train(env, tmp_path):
 def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
     """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
     check_family_matrix("06", runs, env, family_models)
+
+
+VOCAB_PARALLEL_LOSS = """
+import importlib.util, json, sys
+
+import torch
+import torch.distributed as dist
+from transformers.loss.loss_utils import ForCausalLMLoss
+
+spec = importlib.util.spec_from_file_location("chapter", sys.argv[1])
+chapter = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(chapter)
+dist.init_process_group("gloo")
+rank, vocab = dist.get_rank(), 10
+logits = torch.randn(2, 6, vocab, generator=torch.Generator().manual_seed(0)) * 4
+# NOTE: labels at both ends of each rank's slice (0, 4 | 5, 9), and -100s, which count for nothing.
+labels = torch.tensor([[0, 4, 5, -100, 9, 3], [5, -100, -100, 4, 1, 8]])
+differences = {}
+for dtype in (torch.float32, torch.bfloat16):
+    for num_items in (None, 7):
+        whole = logits.to(dtype, copy=True).requires_grad_()
+        ForCausalLMLoss(whole, labels, vocab, num_items_in_batch=num_items).backward()
+        piece = whole.detach()[..., rank * 5:(rank + 1) * 5].clone().requires_grad_()
+        loss = chapter.vocab_parallel_loss(piece, labels, vocab, num_items_in_batch=num_items,
+                                           tp_group=dist.group.WORLD)
+        loss.backward()
+        expected = ForCausalLMLoss(whole.detach(), labels, vocab, num_items_in_batch=num_items)
+        differences[f"{str(dtype)[6:]}, {num_items}"] = [
+            abs(loss.item() - expected.item()), str(piece.grad.dtype)[6:],
+            (piece.grad.float() - whole.grad[..., rank * 5:(rank + 1) * 5].float()).abs().max().item()]
+# NOTE: one write: the ranks share torchrun's stdout, and print() writes the line and its end apart.
+sys.stdout.write(json.dumps(differences) + "\\n")
+dist.destroy_process_group()
+"""
+
+
+def test_the_vocab_parallel_loss_is_transformers_loss_and_gradient(env, tmp_path):
+    """The loss 06, 07 and 11 compute from each rank's slice of the logits (2 ranks, a vocabulary of 10), against
+    transformers' ForCausalLMLoss of the whole logits: labels at both ends of each slice and -100s, the mean over the
+    labelled tokens and a sum over num_items_in_batch, in fp32 and bf16 (its gradient in the logits' dtype)."""
+    program = tmp_path / "vocab_parallel_loss.py"
+    program.write_text(VOCAB_PARALLEL_LOSS)
+    result = run([*torchrun(2), program, script("06")], env, tmp_path)
+    for line in [line for line in result.stdout.splitlines() if line.startswith("{")]:
+        for case, (loss, grad_dtype, grad) in json.loads(line).items():
+            print(f"\n{case}: loss {loss:.1e}, gradient ({grad_dtype}) {grad:.1e}")
+            assert grad_dtype == case.split(",")[0] and loss <= 1e-6 and grad <= (1e-7 if "float32" in case else 0)
+    assert result.stdout.count("{") == 2
