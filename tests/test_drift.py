@@ -120,7 +120,8 @@ LINEAGE = {
         "layer_plan": "a decoder layer's plan, from the modules it has; a weight the plan cannot split gets a one-line "
                       "error",
         "vocab_parallel_loss": "the causal-LM loss of logits split along the vocabulary",
-        "VocabParallelCrossEntropy": "its autograd function: three all-reduces of a number per token",
+        "VocabParallelCrossEntropy": "its autograd function: two all-reduces, the largest logit, then the sum of "
+                                     "exponentials and the label's logit of each token",
     },
     ("04", "08"): {
         "main": "pipeline parallelism on a (pp, dp) mesh: the model cut into stages, FSDP inside each stage (its "

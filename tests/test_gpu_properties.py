@@ -47,8 +47,8 @@ CASES = {
     "08 pp2 4 micro-batches": ("08", 2, ["--pp", "2", "--batch-size", "4", "--pp-microbatches", "4"]),
     "09 cp2 ring": ("09", 2, ["--cp", "2", "--cp-attention", "ring"]),
     "10 ep2": ("10", 2, ["--ep", "2"]),
-    # NOTE: tensor-parallel stages: sequence-sharded local activations cross between stages, the loss under
-    # loss_parallel() inside the schedule.
+    # NOTE: tensor-parallel stages: sequence-sharded local activations cross between stages, the vocab-parallel loss
+    # inside the schedule.
     "11 tp2 pp2": ("11", 4, ["--tp", "2", "--pp", "2"]),
 }
 # NOTE: the ranks that train on different sequences (tp, cp and pp ranks share theirs): a step trains batch x seq x

@@ -90,6 +90,19 @@ def test_readme_commands_pass_only_flags_the_script_accepts(readme):
     assert not unknown, f"{readme.relative_to(REPO)} passes flags the scripts do not have: {sorted(set(unknown))}"
 
 
+# What only a GPU or a cluster runs: a hub model, a node's address, the GPU check, GPUs per node.
+GPU_OR_CLUSTER = ("meta-llama/", "$HEAD_NODE", "gpu_check.sh", "--gpus-per-node", "nvidia-smi")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("readme", READMES, ids=lambda path: str(path.relative_to(REPO)))
+def test_bash_blocks_run_on_a_cpu_and_sh_blocks_hold_the_rest(readme):
+    """The guide's convention: a `bash` block runs on one CPU machine, a `sh` block needs GPUs or a cluster."""
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", readme.read_text(), re.DOTALL)
+             for line in block.splitlines() if any(marker in line for marker in GPU_OR_CLUSTER)]
+    assert not lines, f"{readme.relative_to(REPO)}: GPU or cluster commands in bash blocks (make them sh): {lines}"
+
+
 @pytest.mark.quick
 def test_every_torch_load_names_its_device_and_loads_weights_only():
     # NOTE: without map_location a tensor returns to the device it was saved from: a checkpoint written by rank 0
