@@ -1,7 +1,7 @@
 """Which layout for my model and my cluster? Every layout the chapters run, for a model config and a cluster shape,
 that fits the GPUs' memory, best first, with its chapter and its command.
 
-    python tools/plan_layout.py -m data/configs/llama-3.1-8b --nnodes 1 --nproc-per-node 8
+    python tools/plan_layout.py -m data/configs/llama-3.1-8b --nnodes 1 --nproc-per-node 8 --seq-length 4096
     python tools/plan_layout.py -m data/configs/llama-3.1-70b --nnodes 8 --nproc-per-node 8 --seq-length 4096
     python tools/plan_layout.py -m data/configs/llama-3.1-405b --nnodes 2048 --nproc-per-node 8 --global-batch-size 2048
 
