@@ -1,7 +1,7 @@
 """Break the chapters on purpose and check that the test suite notices: each mutation is a bug that once was, or
 easily could be, in a chapter; each must make its catching test fail.
 
-    python dev/check_mutations.py            every mutation, one after the other (about 2 minutes on 2 cores)
+    python dev/check_mutations.py            every mutation, one after the other (about 4 minutes on 2 cores)
     python dev/check_mutations.py --list     the mutations and the tests that must catch them
     python dev/check_mutations.py 04-fsdp-sum
 
@@ -49,6 +49,18 @@ MUTATIONS = {
         "\nLOGGER = ",
         "\ntorch.backends.cuda.matmul.allow_tf32 = True\nLOGGER = ",
         "tests/test_drift.py::test_a_chapter_changes_only_what_it_teaches[03-to-04]"),
+    "04-blocking-vote": (
+        "04-fully-sharded-data-parallel/train_llm.py",
+        "    vote = dist.all_reduce(votes, group=stop_group, async_op=True)\n",
+        "    dist.all_reduce(votes, group=stop_group)\n"
+        "    vote = dist.all_reduce(votes, group=stop_group, async_op=True)\n",
+        "tests/test_gpu_properties.py::test_a_step_has_no_host_sync_only_bf16_matmuls_and_counts_each_token_once"
+        "[04 dp2]"),
+    "07-wrapped-at-tp-1": (
+        "07-2d-parallel/train_llm.py",
+        "    if tp_degree > 1:\n        parallelize_model(model, mesh[\"tp\"])\n",
+        "    parallelize_model(model, mesh[\"tp\"])\n",
+        "tests/test_gpu_properties.py::test_a_degree_of_1_wraps_nothing"),
     "01-kv-cache": (
         "01-single-gpu/train_llm.py",
         ", use_cache=False)",

@@ -24,7 +24,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, load_script, read_metrics, script,
+from helpers import (CHAPTERS, FAST_ARGS, REPO, TINY_MODEL, load_script, read_metrics, run, script,
                      torchrun, train)
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -163,3 +163,21 @@ def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monke
         assert sum(flash_syncs.values()) == 1 and all("masking_utils.py" in key for key in flash_syncs), flash_syncs
         assert abs(losses["sdpa", batch_size] - losses["flash_attention_2", batch_size]) <= 1e-5, losses
     assert fake.calls["flash_attn_func"] == 0 and fake.calls["flash_attn_varlen_func"] == 2 * config.num_hidden_layers
+
+
+def test_a_degree_of_1_wraps_nothing(env, tmp_path):
+    """07 at --tp 1 and 11 with tp, pp and cp of 1 run chapter 04's step: in steps 2-3 of one process,
+    dev/count_host_ops.py counts their operators with a DTensor argument (sharding propagation, host time on a GPU)
+    at most 3 times 04's (they are equal, 9 and 5; 07 at --tp 1 dispatched 636 when it wrapped every weight)."""
+    import json
+
+    counted = {}
+    for name, flags in [("04", []), ("07", ["--tp", "1"]), ("11", ["--tp", "1", "--pp", "1", "--cp", "1"])]:
+        out = tmp_path / name
+        run([sys.executable, REPO / "dev" / "count_host_ops.py", "--out", out, script(name), *FAST_ARGS, *flags,
+             "--max-steps", "3", "--seq-length", "32", "--batch-size", "2", "--wandb-mode", "disabled",
+             "--save-dir", tmp_path / "outputs", "-e", name], env, tmp_path)
+        steps = json.loads((out / "rank-0.json").read_text())["steps"][1:]
+        counted[name] = max(step["dtensor"] for step in steps)
+    print(f"\noperators with a DTensor argument per step at degree 1: {counted}")
+    assert counted["07"] <= 3 * counted["04"] and counted["11"] <= 3 * counted["04"], counted
