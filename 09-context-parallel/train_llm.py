@@ -456,8 +456,10 @@ def apply_activation_checkpointing(model):
 
 def compile_layers(model):
     # NOTE: one graph for all layers, in each checkpoint; hooks stay eager (torch 2.13 drops a compiled TP hook's grad).
-    # NOTE: dynamo does not trace c10d's sends: with --cp > 1 the attention across the split runs eager.
+    # NOTE: dynamo does not trace c10d's sends.
     across_split = model.config._attn_implementation.startswith("context_parallel")
+    if across_split:
+        LOGGER.info("--compile: attention across the cp split runs eager")
     for layer in model.model.layers.children():
         layer = getattr(layer, "_checkpoint_wrapped_module", layer)
         for module in [child for name, child in layer.named_children() if name != "self_attn"] if across_split \

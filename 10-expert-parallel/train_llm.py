@@ -457,8 +457,10 @@ def compile_layers(model):
     # NOTE: one graph for all layers, in each checkpoint; hooks stay eager (torch 2.13 drops a compiled TP hook's grad).
     # NOTE: a MoE block reads its all-to-all's split sizes on the host, which ends a graph: it runs eager, and the
     # other modules of its layer compile.
-    for layer in model.model.layers.children():
-        layer = getattr(layer, "_checkpoint_wrapped_module", layer)
+    layers = [getattr(layer, "_checkpoint_wrapped_module", layer) for layer in model.model.layers.children()]
+    if any(hasattr(layer.mlp, "experts") for layer in layers):
+        LOGGER.info("--compile: the MoE blocks run eager (their all-to-all's sizes are read on the host)")
+    for layer in layers:
         for module in [child for name, child in layer.named_children() if name != "mlp"] \
                 if hasattr(layer.mlp, "experts") else [layer]:
             module.forward = torch.compile(module.forward, fullgraph=True)
