@@ -1334,16 +1334,16 @@ def fill_readmes(card_dir):
     write_section(REPO / "README.md", f"Measured on {headline[1]} on {headline[2].strip()} with {headline[3]}{speed}. "
                   f"The card: [{display_path(card_md)}]({display_path(card_md)}); each chapter's README has its rows.")
     # NOTE: the card's header once, in the card; a chapter's section names the machine and the model its rows ran.
-    source = (f"From [`{display_path(card_md)}`](../{display_path(card_md)}) (its header: the software, the matmul "
-              f"ceiling that \"of ceiling\" divides by, and the method), written by `dev/gpu_card.py`: edit the card, not this section. "
-              f"{headline[1]} on {headline[2].strip()} with {headline[3]}.")
-    header = [line for line in body.split("\n\n")[0].splitlines() if line.startswith("**Model**")]
+    model = re.search(r"\*\*Model\*\*: (`[^`]+`) \([^)]*\), (sequence length \d+, batch \d+ per process, \w+)", body)
+    source = (f"[The GPU card](../{display_path(card_md)}) ({headline[1]}, {headline[2].strip()}, {headline[3]}; its "
+              f"header gives the method): {model[1]}, {model[2]}. Written by `dev/gpu_card.py`: edit the card, not "
+              "this section.")
     for readme in sorted(REPO.glob("[0-9][0-9]-*/README.md")):
         chapter = readme.parent.name
         rows = [line for line in body.splitlines() if line.startswith(f"| {chapter} |")]
         checks = [line for line in body.splitlines() if re.match(rf"- {re.escape(chapter)}[ +:]", line)]
         tables = [line for line in body.splitlines() if line.startswith("| chapter |")]
-        parts = [source, "\n".join(header)]
+        parts = [source]
         # NOTE: a row belongs to the table with as many columns: the main table's or the benchmark's.
         main_rows = [row for row in rows if row.count("|") == tables[0].count("|")]
         bench_rows = [row for row in rows if len(tables) > 1 and row.count("|") == tables[1].count("|")]
