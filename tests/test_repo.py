@@ -456,7 +456,9 @@ def test_every_python_excerpt_is_quoted_from_the_chapter(readme):
 
 def diff_block_errors(block, base_lines, chapter_lines):
     """The lines of a ```diff block that the real diff of the two scripts does not have: a `+` line must be added,
-    a `-` line removed, a context line in either script (compared without their indentation)."""
+    a `-` line removed, a context line in either script (compared without their indentation); and, read in order,
+    its `+` and context lines must come in the chapter's order, its `-` and context lines in the base's. A `@@ ... @@`
+    line marks a cut between distant hunks."""
     import difflib
 
     real = {"+": set(), "-": set()}
@@ -464,9 +466,16 @@ def diff_block_errors(block, base_lines, chapter_lines):
         if line[:1] in real and not line.startswith(("+++", "---")):
             real[line[0]].add(line[1:].strip())
     either = {line.strip() for line in base_lines + chapter_lines}
-    errors = [line for line in block.splitlines() if line.strip() and not (
+    shown = [line for line in block.splitlines() if line.strip() and not line.startswith("@@")]
+    errors = [line for line in shown if not (
         line[1:].strip() in real[line[0]] if line[0] in real else line.strip() in either)]
-    return errors + ([] if any(line[:1] in real for line in block.splitlines()) else ["(no + or - line)"])
+    for side, lines in [("+", chapter_lines), ("-", base_lines)]:
+        remaining = iter(line.strip() for line in lines)
+        wanted = [line[1:].strip() if line[0] in real else line.strip() for line in shown if line[0] in (side, " ")]
+        if not errors and not all(any(line == candidate for candidate in remaining) for line in wanted):
+            errors.append(f"(the {side} and context lines are not in the order of the "
+                          f"{'chapter' if side == '+' else 'base'})")
+    return errors + ([] if any(line[:1] in real for line in shown) else ["(no + or - line)"])
 
 
 @pytest.mark.quick
@@ -493,6 +502,9 @@ def test_a_diff_block_with_a_line_the_diff_lacks_fails():
     assert diff_block_errors("+for _ in range(3):", base, chapter) == ["+for _ in range(3):"]
     assert diff_block_errors("+x = 1", base, chapter) == ["+x = 1"]     # unchanged, not added
     assert diff_block_errors(" g(x)", base, chapter) == [" g(x)", "(no + or - line)"]
+    assert diff_block_errors("     f(x)\n+for step in range(3):", base, chapter) == [
+        "(the + and context lines are not in the order of the chapter)"]
+    assert diff_block_errors("+for step in range(3):\n@@ f @@\n     f(x)", base, chapter) == []
 
 
 @pytest.mark.quick
