@@ -154,7 +154,7 @@ def test_the_estimate_is_the_memory_each_rank_holds(measured_runs, env, workdir,
 
 
 # NOTE: measured here: FSDP's bf16 step peaks at 29.37 MB above its start, estimated 23.14 MB (ratio 0.788); the
-# estimator's bf16 activations and buffers on CPUs are not yet resolved (07's dry run is 37% off too).
+# estimator's bf16 activations and buffers on CPUs are not yet resolved.
 BF16_PEAK_OPEN = pytest.mark.xfail(strict=True, raises=AssertionError, reason="bf16 FSDP peak estimated 21% low: open")
 
 
