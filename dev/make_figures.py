@@ -816,6 +816,14 @@ DRY_RUN_TABLES = {
                        "Llama-3.1-70B, 8 nodes, pp 8 x dp 8, 16 micro-batches of 1,024 tokens, the first stage",
                        "08 --nnodes 8 --nproc-per-node 8 -m data/configs/llama-3.1-70b --pp 8 --seq-length 1024 "
                        "--batch-size 16"),
+    "dry-run-11-70b": ("11-4d-parallel/README.md", "Llama 3.1 70B, 4 nodes, tp 8 x pp 2 x dp 2, interleaved 1F1B, "
+                       "4 micro-batches of 2,048 tokens",
+                       "11 --nnodes 4 --nproc-per-node 8 -m data/configs/llama-3.1-70b --tp 8 --pp 2 --seq-length 2048 "
+                       "--batch-size 4 --pp-schedule interleaved-1f1b"),
+    "dry-run-11-405b": ("11-4d-parallel/README.md", "Llama 3.1 405B, 64 nodes, tp 8 x pp 8 x cp 4 x dp 2, interleaved "
+                        "1F1B, 8 micro-batches of 8,192 tokens",
+                        "11 --nnodes 64 --nproc-per-node 8 -m data/configs/llama-3.1-405b --tp 8 --pp 8 --cp 4 "
+                        "--seq-length 8192 --batch-size 8 --pp-schedule interleaved-1f1b"),
     "dry-run-09-8b": ("09-context-parallel/README.md", "Llama-3.1-8B, one node, cp 8, 32,768 tokens",
                       "09 --nnodes 1 --nproc-per-node 8 -m data/configs/llama-3.1-8b --cp 8 --seq-length 32768 "
                       "--batch-size 1"),
