@@ -43,7 +43,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
@@ -78,17 +78,17 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
-    require(getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "base_model_prefix", "model") == "model",
-            f"{config.model_type} has no model.layers to split; use chapter 02")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
             "(output_router_logits) over each rank's tokens, not the global batch's; set it false, or use chapter 10")
-    check_tensor_parallel_degree(world_size, config, args.seq_length)
     tp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
+    require(isinstance(getattr(getattr(model, "model", None), "layers", None), torch.nn.ModuleList),
+            f"{config.model_type} has no model.layers to split; use chapter 02")
+    check_tensor_parallel_degree(world_size, config, args.seq_length)
     parallelize_model(model, tp_mesh)
     # NOTE: each checkpoint holds a compiled forward: TP's collectives in a layer are compiled, and recomputed.
     if args.activation_checkpointing:

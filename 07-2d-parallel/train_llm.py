@@ -44,7 +44,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module)
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
@@ -81,8 +81,6 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
-    require(getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "base_model_prefix", "model") == "model",
-            f"{config.model_type} has no model.layers to split; use chapter 02")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
@@ -91,11 +89,13 @@ def main():
     tp_degree = args.tp if args.tp is not None else (
         (int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.cuda.device_count()) if device.type == "cuda" else 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.dp_replicate)
-    check_tensor_parallel_degree(tp_degree, config, args.seq_length)
     LOGGER.info(f"device mesh: {dict(zip(mesh.mesh_dim_names, mesh.shape))}")
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length), dtype=torch.float32)
+    require(isinstance(getattr(getattr(model, "model", None), "layers", None), torch.nn.ModuleList),
+            f"{config.model_type} has no model.layers to split; use chapter 02")
+    check_tensor_parallel_degree(tp_degree, config, args.seq_length)
     # NOTE: FSDP then shards the tensor-parallel slices over the dp dimensions only, never inside a tp group: DTensors
     # placed on both. A 2D dp mesh (HSDP) shards within each replica and all-reduces across them. --tp 1: plain FSDP.
     if tp_degree > 1:

@@ -43,7 +43,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOGGER = logging.getLogger("train_llm")
@@ -80,8 +80,6 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
-    require(getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "base_model_prefix", "model") == "model",
-            f"{config.model_type} has no model.layers to split; use chapter 02")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     require(not getattr(config, "output_router_logits", False), "the model adds its experts' load-balancing loss "
@@ -97,6 +95,8 @@ def main():
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attn_implementation, dtype=torch.float32)
+    require(isinstance(getattr(getattr(model, "model", None), "layers", None), torch.nn.ModuleList),
+            f"{config.model_type} has no model.layers to split; use chapter 02")
     # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: FSDP's collectives are neither
     # compiled nor recomputed; the ring's sends run eager, again in the recompute.
     if args.activation_checkpointing:

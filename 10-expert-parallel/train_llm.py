@@ -44,7 +44,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from tqdm import tqdm
-from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.moe import ExpertsInterface
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -82,8 +82,6 @@ def main():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     require(args.seq_length <= config.max_position_embeddings,
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions")
-    require(getattr(MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None), "base_model_prefix", "model") == "model",
-            f"{config.model_type} has no model.layers to split; use chapter 02")
     require(dtype != torch.float32 or device.type != "cuda" or fused_attention_runs(config, device, dtype),
             "--dtype float32 on CUDA: no fused attention kernel takes the model's heads; use --dtype bfloat16 or auto")
     require(not args.cpu_offload or device.type == "cuda", "--cpu-offload needs CUDA; leave it out without a GPU")
@@ -93,6 +91,8 @@ def main():
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=attention_implementation(config, args.seq_length),
             experts_implementation=experts_implementation(mesh["ep"]), dtype=torch.float32)
+    require(isinstance(getattr(getattr(model, "model", None), "layers", None), torch.nn.ModuleList),
+            f"{config.model_type} has no model.layers to split; use chapter 02")
     # NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: FSDP's collectives are neither
     # compiled nor recomputed; the experts' all-to-alls run again in the recompute.
     if args.activation_checkpointing:

@@ -272,6 +272,12 @@ REWORDED = {
     ("04", "09"): {
         "# NOTE: each rank's loss is its share of the global batch's mean loss: their sum is the mean.":
             "the loss is summed, not averaged: the division by the world size is gone a line on",
+        "# NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: FSDP's collectives are neither":
+            "the ring's sends run inside the checkpointed layers, eager, and again in the recompute",
+    },
+    ("04", "10"): {
+        "# NOTE: each checkpoint holds a compiled forward, fully_shard wraps both: FSDP's collectives are neither":
+            "the experts' all-to-alls run inside the checkpointed layers, and again in the recompute",
     },
     ("06", "07"): {
         "# NOTE: AdamW's moments are sliced as the parameters are (on the CPU with --cpu-offload).":

@@ -49,24 +49,32 @@ def test_every_chapter_refuses_a_sliding_window_shorter_than_its_sequences():
             assert attention_implementation(config, 4096, *extra) == "causal_sdpa", (chapter, type(config).__name__)
 
 
+# Decoder layers that are not at model.model.layers: GPT-NeoX's gpt_neox.layers, OPT's model.decoder.layers.
+NO_MODEL_LAYERS = {
+    "gpt_neox": {"architectures": ["GPTNeoXForCausalLM"], "intermediate_size": 128},
+    "opt": {"architectures": ["OPTForCausalLM"], "ffn_dim": 128, "word_embed_proj_dim": 64, "pad_token_id": 1},
+}
+
+
 @pytest.mark.parametrize("chapter", [chapter for chapter in EXISTING_CHAPTERS if chapter >= "04"])
 def test_a_model_without_model_layers_gets_one_line_from_every_chapter_that_splits_layers(env, tmp_path, chapter):
-    """GPT-NeoX keeps its decoder layers at gpt_neox.layers, where chapters 04-11 do not look for them (they shard,
-    split or checkpoint model.model.layers): one line naming it and the way out, before the first step."""
+    """Chapters 04-11 shard, split or checkpoint model.model.layers: a model whose layers are elsewhere (GPT-NeoX in
+    even chapters, OPT in odd ones) stops before the first step with one line naming it and the way out."""
     import json
     import shutil
 
-    model = tmp_path / "tiny-gpt-neox"
+    model_type = "gpt_neox" if int(chapter) % 2 == 0 else "opt"
+    model = tmp_path / f"tiny-{model_type}"
     model.mkdir()
     for path in (REPO / "data" / "tiny-llama").glob("tokenizer*"):
         shutil.copy(path, model)
     (model / "config.json").write_text(json.dumps({
-        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "vocab_size": 4096, "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256}))
+        "model_type": model_type, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 256, **NO_MODEL_LAYERS[model_type]}))
     result = run([sys.executable, script(chapter), "-m", model, "--max-steps", "1", "--seq-length", "32",
                   "--wandb-mode", "disabled", "--save-dir", tmp_path / "outputs"], env, tmp_path, check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert result.stderr.strip().splitlines()[-1] == "error: gpt_neox has no model.layers to split; use chapter 02"
+    assert result.stderr.strip().splitlines()[-1] == f"error: {model_type} has no model.layers to split; use chapter 02"
 
 
 @pytest.mark.parametrize("chapter", EXISTING_CHAPTERS)
