@@ -488,3 +488,23 @@ def test_the_pipeline_bubble_is_each_schedules_formula():
     assert estimate_memory.pipeline_bubble(8, 16) == {"gpipe": 7 / 23, "1f1b": 7 / 23, "interleaved-1f1b": 7 / 39,
                                                       "interleaved-zb": 7 / 103}
     assert estimate_memory.pipeline_bubble(1, 16) == {}
+
+
+@pytest.mark.quick
+def test_the_in_flight_count_of_interleaved_1f1b_is_torchs():
+    """IN_FLIGHT's interleaved 1F1B against torch's own schedule: on every rank of p stages (2 a rank) and m
+    micro-batches, the most forward chunks whose backward has not run, in half-stages."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    for stages in (2, 4, 8, 16):
+        for micro_batches in sorted({max(1, stages // 2), stages, 2 * stages, 3 * stages, 4 * stages}):
+            for rank in range(stages):
+                schedule = object.__new__(ScheduleInterleaved1F1B)
+                schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = stages, 2, micro_batches
+                schedule.microbatches_per_round = micro_batches // max(1, micro_batches // stages)
+                held = most = 0
+                for action in filter(None, schedule._calculate_single_rank_operations(rank)):
+                    held += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}[action.computation_type]
+                    most = max(most, held)
+                assert estimate_memory.IN_FLIGHT["interleaved-1f1b"](stages, rank, micro_batches) == most / 2, (
+                    stages, micro_batches, rank)

@@ -39,7 +39,7 @@ import json
 import math
 import re
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -493,7 +493,7 @@ def estimate_step(config, layout):
         # micro-batches still in flight: 1F1B's steady state, the drain's second backward, or a lone micro-batch's.
         in_flight = activations["in_flight"]
         later = in_flight if layout.grad_accum > in_flight else max(1, in_flight - 1)
-        steady = activation_model(dims, replace(layout, grad_accum=later), coords, widths)
+        steady = activation_model(dims, layout, coords, widths, in_flight=later)
         later_step = simulate_step(state, steady, groups, dims, layout, widths,
                                    full_size_gradients(groups, state, layout))
         peak = max(peak, later_step, key=lambda result: result["above_start_bytes"])
@@ -567,7 +567,7 @@ def byte_widths(layout):
     return {"residual": 4, "norm": 4, "matmul": 2, "attention": 2, "weights": 4, "loss": 4, "grads": 4}
 
 
-def activation_model(dims, layout, coords, widths):
+def activation_model(dims, layout, coords, widths, in_flight=None):
     """Bytes autograd keeps between forward and backward, per decoder layer and for the rest of the model.
 
     Per token of a Llama-style decoder layer (sdpa or flash attention, which never store the s x s scores), with
@@ -610,7 +610,8 @@ def activation_model(dims, layout, coords, widths):
     backward_bytes = (w["matmul"] if w["matmul"] != w["loss"] else 0) if t > 1 else 2 * w["loss"]
     loss_backward = backward_bytes * vocab_local * tokens if is_last_stage else 0
     rotary = 2 * w["residual"] * layout.seq_length // layout.cp * dims.head_dim
-    in_flight = IN_FLIGHT[layout.pp_schedule](layout.pp, coords.pp, layout.grad_accum) if layout.pp > 1 else 1
+    if in_flight is None:
+        in_flight = IN_FLIGHT[layout.pp_schedule](layout.pp, coords.pp, layout.grad_accum) if layout.pp > 1 else 1
     if layout.activation_checkpointing:
         saved_layers = num_layers * layer_input
     else:
@@ -625,8 +626,8 @@ def activation_model(dims, layout, coords, widths):
 
 # The micro-batches whose activations a pipeline rank holds at once, in passes through all its layers, by schedule:
 # (stages p, this rank r, micro-batches m a step). NOTE: 1F1B's warm-up runs p - r forwards before the first
-# backward; interleaved 1F1B (torch's _get_warmup_ops) runs (v - 1) x p + 2 (p - 1 - r) + 1 chunks of 1/v, v = 2
-# (with m >= p; a round of m < p micro-batches takes m's place).
+# backward; interleaved 1F1B (torch's _get_warmup_ops) runs (v - 1) x R + 2 (p - 1 - r) + 1 chunks of 1/v, v = 2,
+# with R = m / (its rounds, m // p or 1) micro-batches a round, at most all v x m (tests/test_estimate_memory.py).
 IN_FLIGHT = {"gpipe": lambda p, r, m: m, "1f1b": lambda p, r, m: min(p - r, m),
              "interleaved-1f1b": lambda p, r, m: min(m // max(1, m // p) + 2 * (p - 1 - r) + 1, 2 * m) / 2}
 
