@@ -1326,7 +1326,6 @@ def fill_readmes(card_dir):
             shutil.copy(card_md.parent / name, kept / name)
     card_md = kept / "card.md"
     body = text.split("\n", 1)[1].strip()
-    source = f"From `{display_path(card_md)}`, written by `dev/gpu_card.py` (edit the card, not this section)."
     # NOTE: the top-level README stays short: the date, the machine, chapter 01's speed and where the rest is.
     headline = re.search(r"\*\*Measured\*\*: (\S+).*\*\*Machine\*\*: ([^,(]+).*?\*\*Software\*\*: (torch \S+)", body, re.S)
     first_row = next((line.split("|") for line in body.splitlines() if line.startswith("| 01-single-gpu |  |")), None)
@@ -1335,9 +1334,9 @@ def fill_readmes(card_dir):
                   f"The card: [{display_path(card_md)}]({display_path(card_md)}); each chapter's README has its rows.")
     # NOTE: the card's header once, in the card; a chapter's section names the machine and the model its rows ran.
     model = re.search(r"\*\*Model\*\*: (`[^`]+`) \([^)]*\), (sequence length \d+, batch \d+ per process, \w+)", body)
+    shape = f": {model[1]}, {model[2]}" if model else ""
     source = (f"[The GPU card](../{display_path(card_md)}) ({headline[1]}, {headline[2].strip()}, {headline[3]}; its "
-              f"header gives the method): {model[1]}, {model[2]}. Written by `dev/gpu_card.py`: edit the card, not "
-              "this section.")
+              f"header gives the method){shape}. Written by `dev/gpu_card.py`: edit the card, not this section.")
     for readme in sorted(REPO.glob("[0-9][0-9]-*/README.md")):
         chapter = readme.parent.name
         rows = [line for line in body.splitlines() if line.startswith(f"| {chapter} |")]

@@ -5,6 +5,7 @@ test is done with it, so a hung or crashed distributed job never outlives its te
 """
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -531,7 +532,13 @@ def load_script(chapter):
 
 
 def planned_layouts(model, *args):
-    """tools/plan_layout.py's layouts for data/configs/MODEL, best first (its --json list, run in this process)."""
+    """tools/plan_layout.py's layouts for data/configs/MODEL, best first (its --json list, run in this process once
+    per arguments)."""
+    return json.loads(planned_layouts_json(model, *args))
+
+
+@functools.lru_cache
+def planned_layouts_json(model, *args):
     import io
 
     sys.path.insert(0, str(REPO / "tools"))
@@ -544,7 +551,7 @@ def planned_layouts(model, *args):
             plan_layout.main()
     finally:
         sys.argv = argv
-    return json.loads(printed.getvalue())
+    return printed.getvalue()
 
 
 def command_words(command):

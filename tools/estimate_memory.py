@@ -87,7 +87,7 @@ def get_parser():
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06's plan)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (chapter 08)")
     parser.add_argument("--pp-schedule", choices=list(IN_FLIGHT), default="1f1b",
-                        help="chapter 08's and 11's schedule (interleaved: 2 stages per rank, their default)")
+                        help="chapter 08's and 11's schedule (interleaved: 2 stages per rank, as they run it)")
     parser.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
                         help="chapter 08's and 11's: gradients reduce-scattered in every micro-batch, or once a step")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 09, ring attention)")
@@ -321,8 +321,8 @@ def check_layout(parameters, dims, layout):
     if layout.cp > 1 and layout.seq_length % layout.cp:
         fail(f"--cp {layout.cp} does not divide --seq-length {layout.seq_length}")
     if layout.pp * layout.stages_per_rank > dims.layers:
-        fail(f"--pp {layout.pp} x {layout.stages_per_rank} stages per rank is more stages than the model's "
-             f"{dims.layers} decoder layers")
+        fail(f"--pp {layout.pp} makes {layout.pp * layout.stages_per_rank} stages, more than the model's "
+             f"{dims.layers} decoder layers; use a smaller --pp")
 
 
 def check_expert_layout(parameters, dims, layout):
