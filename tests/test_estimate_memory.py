@@ -492,19 +492,20 @@ def test_the_pipeline_bubble_is_each_schedules_formula():
 
 @pytest.mark.quick
 def test_the_in_flight_count_of_interleaved_1f1b_is_torchs():
-    """IN_FLIGHT's interleaved 1F1B against torch's own schedule: on every rank of p stages (2 a rank) and m
-    micro-batches, the most forward chunks whose backward has not run, in half-stages."""
+    """IN_FLIGHT's interleaved 1F1B against torch's own schedule: on every rank of p ranks of v stages and m
+    micro-batches, the most forward chunks whose backward has not run, in units of a rank's layers."""
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
 
-    for stages in (2, 4, 8, 16):
+    for stages, per_rank in [(2, 2), (4, 2), (8, 2), (16, 2), (4, 3)]:
         for micro_batches in sorted({max(1, stages // 2), stages, 2 * stages, 3 * stages, 4 * stages}):
             for rank in range(stages):
                 schedule = object.__new__(ScheduleInterleaved1F1B)
-                schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = stages, 2, micro_batches
+                schedule.pp_group_size, schedule.n_local_stages = stages, per_rank
+                schedule._n_microbatches = micro_batches
                 schedule.microbatches_per_round = micro_batches // max(1, micro_batches // stages)
                 held = most = 0
                 for action in filter(None, schedule._calculate_single_rank_operations(rank)):
                     held += {_ComputationType.FORWARD: 1, _ComputationType.FULL_BACKWARD: -1}[action.computation_type]
                     most = max(most, held)
-                assert estimate_memory.IN_FLIGHT["interleaved-1f1b"](stages, rank, micro_batches) == most / 2, (
-                    stages, micro_batches, rank)
+                in_flight = estimate_memory.IN_FLIGHT["interleaved-1f1b"](stages, rank, micro_batches, per_rank)
+                assert in_flight == most / per_rank, (stages, per_rank, micro_batches, rank)

@@ -373,6 +373,7 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
     parser.add_argument("--global-batch-size", type=int)
     parser.add_argument("--pp-grad-reduce", default="microbatch")
     parser.add_argument("--pp-schedule", default="1f1b")
+    parser.add_argument("--pp-stages-per-rank", type=int, default=2)
     for flag in ["--activation-checkpointing", "--cpu-offload", "--split-root-group"]:
         parser.add_argument(flag, action="store_true")
     known, _ = parser.parse_known_args(chapter_args)
@@ -397,7 +398,7 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
             argv.append(f"--{flag.replace('_', '-')}")
     # NOTE: the estimator models GPipe, 1F1B and interleaved 1F1B; zero bubble's split backward is estimated as 1F1B.
     if known.pp_schedule in estimate_memory.IN_FLIGHT:
-        argv += ["--pp-schedule", known.pp_schedule]
+        argv += ["--pp-schedule", known.pp_schedule, "--pp-stages-per-rank", str(known.pp_stages_per_rank)]
     if chapter == "10":
         argv += ["--ep", str(known.ep)]
     if chapter == "06":

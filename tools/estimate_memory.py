@@ -87,7 +87,8 @@ def get_parser():
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (chapter 06's plan)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (chapter 08)")
     parser.add_argument("--pp-schedule", choices=list(IN_FLIGHT), default="1f1b",
-                        help="chapter 08's and 11's schedule (interleaved: 2 stages per rank, as they run it)")
+                        help="chapter 08's and 11's schedule")
+    parser.add_argument("--pp-stages-per-rank", type=int, default=2, help="interleaved 1F1B's stages on each rank")
     parser.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
                         help="chapter 08's and 11's: gradients reduce-scattered in every micro-batch, or once a step")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel degree (chapter 09, ring attention)")
@@ -159,6 +160,7 @@ class Layout:
     pp: int = 1
     pp_grad_reduce: str = "microbatch"
     pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 2      # interleaved 1F1B's (the chapters' default); one for the other schedules
     cp: int = 1
     ep: int | None = None       # None: no expert parallelism (chapter 04's FSDP treats experts as any parameter)
     activation_checkpointing: bool = False
@@ -176,7 +178,7 @@ class Layout:
 
     @property
     def stages_per_rank(self):
-        return 2 if self.pp_schedule.startswith("interleaved") else 1
+        return self.pp_stages_per_rank if self.pp_schedule.startswith("interleaved") else 1
 
     @property
     def world_size(self):
@@ -509,7 +511,7 @@ def estimate_step(config, layout):
                     "per_rank": dims.experts // (layout.ep or 1)},
         "layout": asdict(layout),
         "world_size": layout.world_size,
-        "pipeline_bubble": pipeline_bubble(layout.pp, layout.grad_accum),
+        "pipeline_bubble": pipeline_bubble(layout.pp, layout.grad_accum, layout.pp_stages_per_rank),
         "params_bytes": state["params_bytes"],
         "grads_bytes": state["grads_bytes"],
         "optimizer_bytes": state["optimizer_bytes"],
@@ -611,7 +613,8 @@ def activation_model(dims, layout, coords, widths, in_flight=None):
     loss_backward = backward_bytes * vocab_local * tokens if is_last_stage else 0
     rotary = 2 * w["residual"] * layout.seq_length // layout.cp * dims.head_dim
     if in_flight is None:
-        in_flight = IN_FLIGHT[layout.pp_schedule](layout.pp, coords.pp, layout.grad_accum) if layout.pp > 1 else 1
+        in_flight = IN_FLIGHT[layout.pp_schedule](layout.pp, coords.pp, layout.grad_accum, layout.stages_per_rank) \
+            if layout.pp > 1 else 1
     if layout.activation_checkpointing:
         saved_layers = num_layers * layer_input
     else:
@@ -626,10 +629,11 @@ def activation_model(dims, layout, coords, widths, in_flight=None):
 
 # The micro-batches whose activations a pipeline rank holds at once, in passes through all its layers, by schedule:
 # (stages p, this rank r, micro-batches m a step). NOTE: 1F1B's warm-up runs p - r forwards before the first
-# backward; interleaved 1F1B (torch's _get_warmup_ops) runs (v - 1) x R + 2 (p - 1 - r) + 1 chunks of 1/v, v = 2,
-# with R = m / (its rounds, m // p or 1) micro-batches a round, at most all v x m (tests/test_estimate_memory.py).
-IN_FLIGHT = {"gpipe": lambda p, r, m: m, "1f1b": lambda p, r, m: min(p - r, m),
-             "interleaved-1f1b": lambda p, r, m: min(m // max(1, m // p) + 2 * (p - 1 - r) + 1, 2 * m) / 2}
+# backward; interleaved 1F1B (torch's _get_warmup_ops) runs (v - 1) x R + 2 (p - 1 - r) + 1 chunks of 1/v (v stages
+# a rank), with R = m / (its rounds, m // p or 1) micro-batches a round, at most all v x m (tests/test_estimate_memory).
+IN_FLIGHT = {"gpipe": lambda p, r, m, v: m, "1f1b": lambda p, r, m, v: min(p - r, m),
+             "interleaved-1f1b": lambda p, r, m, v: min((v - 1) * (m // max(1, m // p)) + 2 * (p - 1 - r) + 1,
+                                                       v * m) / v}
 
 
 def moe_mlp_bytes_per_token(dims, widths):
@@ -1056,18 +1060,18 @@ def print_estimate(estimate, bandwidths):
         print(f"  {group_name} ({group['group_size']} GPUs): {format_bytes(group['sent_bytes'])} ({kinds}); {times}")
 
 
-def pipeline_bubble(stages, micro_batches):
+def pipeline_bubble(stages, micro_batches, stages_per_rank=2):
     """The share of a step each stage idles, {chapter 08's --pp-schedule: share}, with p stages on p ranks and m
     micro-batches a step: (p - 1) / (m + p - 1) for GPipe and 1F1B; interleaved 1F1B with v stages per rank cuts
-    each stage's work v times finer, (p - 1) / (v m + p - 1), here at its default v = 2; interleaved zero bubble
+    each stage's work v times finer, (p - 1) / (v m + p - 1) (default v = 2, the chapters'); interleaved zero bubble
     fills two thirds of that with weight gradients, (p - 1) / (3 v m + p - 1) (its paper's ZB-H1, with a forward, an
     input-gradient and a weight-gradient pass taking equal time). Empty without a pipeline."""
     if stages == 1:
         return {}
     bubble = {"gpipe": (stages - 1) / (micro_batches + stages - 1)}
     bubble["1f1b"] = bubble["gpipe"]
-    bubble["interleaved-1f1b"] = (stages - 1) / (2 * micro_batches + stages - 1)
-    bubble["interleaved-zb"] = (stages - 1) / (3 * 2 * micro_batches + stages - 1)
+    bubble["interleaved-1f1b"] = (stages - 1) / (stages_per_rank * micro_batches + stages - 1)
+    bubble["interleaved-zb"] = (stages - 1) / (3 * stages_per_rank * micro_batches + stages - 1)
     return bubble
 
 
