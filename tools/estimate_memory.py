@@ -35,6 +35,7 @@ reduce-scatter or all-to-all (N-1)/N of the full tensor.
 """
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -383,11 +384,17 @@ def rank_coordinates(layout):
 def stage_layers(dims, layout, pp_rank):
     """The decoder layers of a pipeline rank: its stages pp_rank, pp_rank + pp, ... of pp x stages per rank, as even
     a split as the layers allow, earlier stages taking the rest."""
-    num_stages = layout.pp * layout.stages_per_rank
-    per_stage, extra = divmod(dims.layers, num_stages)
+    return split_layers(dims.layers, layout.pp, layout.stages_per_rank, pp_rank)
+
+
+@functools.lru_cache
+def split_layers(num_layers, pp, stages_per_rank, pp_rank):
+    # NOTE: cached: every parameter asks whether its layer is on the rank (tools/plan_layout.py, thousands of layouts).
+    num_stages = pp * stages_per_rank
+    per_stage, extra = divmod(num_layers, num_stages)
     starts = [stage * per_stage + min(stage, extra) for stage in range(num_stages + 1)]
-    return [layer for stage in range(pp_rank, num_stages, layout.pp)
-            for layer in range(starts[stage], starts[stage + 1])]
+    return frozenset(layer for stage in range(pp_rank, num_stages, pp)
+                     for layer in range(starts[stage], starts[stage + 1]))
 
 
 def on_this_stage(param, dims, layout, stage):
