@@ -56,14 +56,16 @@ NO_MODEL_LAYERS = {
 }
 
 
-@pytest.mark.parametrize("chapter", [chapter for chapter in EXISTING_CHAPTERS if chapter >= "04"])
+# NOTE: where the check sits differs: 04's main (05, 09 and 10 keep it there), after the TP degree's check in 06 (07
+# too) and 11, before 08's stage split.
+@pytest.mark.parametrize("chapter", ["04", "06", "08", "11"])
 def test_a_model_without_model_layers_gets_one_line_from_every_chapter_that_splits_layers(env, tmp_path, chapter):
     """Chapters 04-11 shard, split or checkpoint model.model.layers: a model whose layers are elsewhere (GPT-NeoX in
-    even chapters, OPT in odd ones) stops before the first step with one line naming it and the way out."""
+    04 and 08, OPT in 06 and 11) stops before the first step with one line naming it and the way out."""
     import json
     import shutil
 
-    model_type = "gpt_neox" if int(chapter) % 2 == 0 else "opt"
+    model_type = "gpt_neox" if chapter in ("04", "08") else "opt"
     model = tmp_path / f"tiny-{model_type}"
     model.mkdir()
     for path in (REPO / "data" / "tiny-llama").glob("tokenizer*"):
