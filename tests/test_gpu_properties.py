@@ -166,7 +166,7 @@ def test_the_flash_attention_path_syncs_only_in_transformers_mask_creation(monke
 
 
 def test_a_degree_of_1_wraps_nothing(env, tmp_path):
-    """07 at --tp 1 and 11 with tp, pp and cp of 1 run chapter 04's step: in steps 2-3 of one process,
+    """07 at --tp 1 and 11 with tp, pp and cp of 1 run chapter 04's step: in step 2 of one process,
     dev/count_host_ops.py counts their operators with a DTensor argument (sharding propagation, host time on a GPU):
     07's are 04's (FSDP's few), 11's no more (07 at --tp 1 dispatched 636 when it wrapped every weight)."""
     import json
@@ -175,7 +175,7 @@ def test_a_degree_of_1_wraps_nothing(env, tmp_path):
     for name, flags in [("04", []), ("07", ["--tp", "1"]), ("11", ["--tp", "1", "--pp", "1", "--cp", "1"])]:
         out = tmp_path / name
         run([sys.executable, REPO / "dev" / "count_host_ops.py", "--out", out, script(name), *FAST_ARGS, *flags,
-             "--max-steps", "3", "--seq-length", "32", "--batch-size", "2", "--wandb-mode", "disabled",
+             "--max-steps", "2", "--seq-length", "32", "--batch-size", "2", "--wandb-mode", "disabled",
              "--save-dir", tmp_path / "outputs", "-e", name], env, tmp_path)
         steps = json.loads((out / "rank-0.json").read_text())["steps"][1:]
         counted[name] = max(step["dtensor"] for step in steps)
