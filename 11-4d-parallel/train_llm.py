@@ -90,7 +90,7 @@ def main():
     tp_degree = args.tp if args.tp is not None else (
         (int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.cuda.device_count()) if device.type == "cuda" else 1)
     mesh = get_device_mesh(device, world_size, tp_degree, args.pp, args.cp)
-    # NOTE: looked up once: mesh["pp"] reads the rank map on the host.
+    # NOTE: looked up once: mesh["pp"] reads the rank map on the host, a sync.
     dp_mesh, pp_mesh, cp_mesh = mesh["dp"], mesh["pp"], mesh["cp"]
     args.grad_accum = grad_accum_steps(args, dp_mesh.size())
     stages_per_rank, num_microbatches = check_pipeline_layout(args, config)
@@ -157,7 +157,7 @@ def main():
 
     # 6. The training loop, one pipeline schedule per optimizer step.
     model.train()
-    # NOTE: each micro-batch's loss: its share of the global mean (09).
+    # NOTE: each micro-batch's loss is its share of the global mean (chapter 09).
     loss_fn = get_loss_function(model, config, samples_per_step * (args.seq_length - 1))
     schedule, has_first_stage, has_last_stage = build_pipeline_schedule(
         stage_modules, args.pp_schedule, num_microbatches, loss_fn, pp_mesh, device,
