@@ -313,7 +313,7 @@ def test_a_live_elastic_job_that_loses_a_node_goes_on_alone_with_chapter_01s_cur
              "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
              "elastic-live", "--local-addr", "127.0.0.1"]
     args = [REPO / "04-fully-sharded-data-parallel" / "train_llm.py", *FAST_ARGS, *TEN_STEPS, "--batch-size", 2,
-            "--global-batch-size", 4, "--ckpt-freq", 2, "-e", "elastic-live"]
+            "--global-batch-size", 4, "--ckpt-freq", 2, "--dist-timeout", 60, "-e", "elastic-live"]
     # NOTE: slowed steps, so that B dies mid-run; B's marker extends A's, so the test's clean-up finds both.
     node_env = with_faults(cold_start(env), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                            FAULT_SLEEP_ON_CALL="torch.nn.utils.clip_grad_norm_:0.5:every")
