@@ -306,12 +306,12 @@ def test_the_readme_cpu_commands_train(env, tmp_path):
     assert cpu_commands, "the README shows no CPU command"
     # NOTE: each its own experiment: a later one would resume an earlier one's finished run and train nothing
     assert len({readme_experiment(command, "09") for command in cpu_commands}) == len(cpu_commands)
-    # Each as written, from a scratch folder of its own and shortened to 2 steps.
+    # Each as written, from a scratch folder of its own and shortened to 2 steps of 64 tokens.
     for number, command in enumerate(cpu_commands):
         at = command.index(f"{CHAPTERS['09']}/train_llm.py")
         (tmp_path / str(number)).mkdir()
-        result = run([*command[:at], script("09"), *command[at + 1:], "--max-steps", "2"], env, tmp_path / str(number),
-                     timeout=600)
+        result = run([*command[:at], script("09"), *command[at + 1:], "--max-steps", "2", "--seq-length", "64"], env,
+                     tmp_path / str(number), timeout=600)
         assert [record["step"] for record in read_metrics(tmp_path / str(number) / "outputs" / readme_experiment(command, "09"))] == [2]
         assert f"rank {int(command[3]) - 1} of {command[3]}" in result.stdout and "done: step 2 of 2" in result.stdout
 
