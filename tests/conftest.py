@@ -321,8 +321,8 @@ def runs(shared_dir):
 
 
 def quick_start_environment(environment):
-    """Chapter 01's quick start: the README's command as written, run from a scratch folder (its outputs/ land there)
-    and cold, as a reader runs it; on one thread, as the suite's other processes run.
+    """Chapter 01's quick start: the README's command, stopped after QUICK_START_STEPS, run from a scratch folder (its
+    outputs/ land there) and cold, as a reader runs it; on one thread, as the suite's other processes run.
 
     NOTE: its two threads on cores the workers keep busy spun at every barrier: 1.3 CPU seconds a step against 0.63 on
     one thread."""
@@ -331,7 +331,7 @@ def quick_start_environment(environment):
 
 # NOTE: not niced: the last test waits for it, and niced it got so little of the busy cores that it ran on at the end
 # for two minutes, with the other worker done and idle.
-# NOTE: shortened to QUICK_START_STEPS, each logged, as the chapters' CPU commands are shortened: its 200 steps took
+# NOTE: stopped after its first QUICK_START_STEPS, as the chapters' CPU commands are shortened: its 200 steps took
 # 197 CPU seconds of the busy cores, a tenth of the suite's.
 in_background("quick-start", "quick_start", lambda folder: [sys.executable, script("01"), *QUICK_START_FLAGS],
               quick_start_environment, nice=0)

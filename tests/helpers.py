@@ -39,9 +39,10 @@ MANY_RUNS = REPO / "tests" / "many_runs.py"
 # How much slower than the machine that timed the suite this one runs (at least 1; conftest.py, machine_speed.py).
 SLOWDOWN = float(os.environ.get("TESTS_SLOWDOWN", "1"))
 
+# The quick start (README.md, 01's README) as written, stopped after the first 60 of its 200 steps.
+QUICK_START_STEPS = 60
+QUICK_START_FLAGS = ["--exit-after-steps", str(QUICK_START_STEPS)]
 # Small and fast: a 10-step run takes a few seconds on one CPU core.
-# The quick start (README.md, 01's README) as written, shortened to 60 of its 200 steps, each logged.
-QUICK_START_FLAGS = ["--max-steps", "60", "--log-freq", "1"]
 FAST_ARGS = ["--seq-length", "64", "--batch-size", "4", "--log-freq", "1", "--ckpt-freq", "1000",
              "--warmup-steps", "2", "--num-workers", "0"]
 

@@ -307,13 +307,15 @@ def test_a_live_elastic_job_that_loses_a_node_goes_on_alone_with_chapter_01s_cur
     import time
 
     port, experiment = free_port(), tmp_path / "outputs" / "elastic-live"
-    # NOTE: 1 s keep-alives and last call: torchrun's defaults (5 s x 3, 30 s) are for real nodes.
+    # NOTE: 1 s keep-alives and last call: torchrun's defaults (5 s x 3, 30 s) are for real nodes. 60 s timeouts: once
+    # gloo missed the killed peer's close, and node A's all-gather waited out the default 600 s (the print says which).
     rendezvous = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
              "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
              "elastic-live", "--local-addr", "127.0.0.1"]
     args = [REPO / "04-fully-sharded-data-parallel" / "train_llm.py", *FAST_ARGS, *TEN_STEPS, "--batch-size", 2,
-            "--global-batch-size", 4, "--ckpt-freq", 2, "--dist-timeout", 60, "-e", "elastic-live"]
+            "--global-batch-size", 4, "--ckpt-freq", 2, "--dist-timeout", 60, "--ckpt-timeout", 60,
+            "-e", "elastic-live"]
     # NOTE: slowed steps, so that B dies mid-run; B's marker extends A's, so the test's clean-up finds both.
     node_env = with_faults(cold_start(env), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                            FAULT_SLEEP_ON_CALL="torch.nn.utils.clip_grad_norm_:0.5:every")
