@@ -56,7 +56,7 @@ NO_MODEL_LAYERS = {
 }
 
 
-# NOTE: where the check sits differs: 04's main (05, 09 and 10 keep it there), after the TP degree's check in 06 (07
+# NOTE: where the check sits differs: 04's main (05, 09 and 10 keep it there), before the TP degree's check in 06 (07
 # too) and 11, before 08's stage split.
 @pytest.mark.parametrize("chapter", ["04", "06", "08", "11"])
 def test_a_model_without_model_layers_gets_one_line_from_every_chapter_that_splits_layers(env, tmp_path, chapter):
