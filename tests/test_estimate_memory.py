@@ -509,3 +509,16 @@ def test_the_in_flight_count_of_interleaved_1f1b_is_torchs():
                     most = max(most, held)
                 in_flight = estimate_memory.IN_FLIGHT["interleaved-1f1b"](stages, rank, micro_batches, per_rank)
                 assert in_flight == most / per_rank, (stages, per_rank, micro_batches, rank)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags, message", [
+    (["--pp", "8"], "--pp 8 makes 8 stages, more than the model's 4 decoder layers; use a smaller --pp"),
+    (["--pp", "4", "--pp-schedule", "interleaved-1f1b"],
+     "--pp 4 makes 8 stages, more than the model's 4 decoder layers; use a smaller --pp or --pp-stages-per-rank"),
+])
+def test_more_stages_than_layers_is_a_one_line_error(monkeypatch, flags, message):
+    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", "-m", str(TINY_MODEL), *flags])
+    with pytest.raises(SystemExit) as error:
+        estimate_memory.main()
+    assert str(error.value) == f"error: {message}"

@@ -325,7 +325,8 @@ def check_layout(parameters, dims, layout):
         fail(f"--cp {layout.cp} does not divide --seq-length {layout.seq_length}")
     if layout.pp * layout.stages_per_rank > dims.layers:
         fail(f"--pp {layout.pp} makes {layout.pp * layout.stages_per_rank} stages, more than the model's "
-             f"{dims.layers} decoder layers; use a smaller --pp")
+             f"{dims.layers} decoder layers; use a smaller --pp"
+             + (" or --pp-stages-per-rank" if layout.stages_per_rank > 1 else ""))
 
 
 def check_expert_layout(parameters, dims, layout):
