@@ -1,7 +1,7 @@
 """Chapter 01: train a Llama-style language model on one device.
 
-    python 01-single-gpu/train_llm.py    # the tiny model in data/, on the CPU
-    python 01-single-gpu/train_llm.py -m meta-llama/Llama-3.2-1B -d tatsu-lab/alpaca -e llama-1b    # on a GPU
+    python 01-single-gpu/train_llm.py  # the tiny model in data/, on the CPU
+    python 01-single-gpu/train_llm.py -m meta-llama/Llama-3.2-1B -d tatsu-lab/alpaca  # on a GPU
 """
 
 import argparse
@@ -42,7 +42,7 @@ def main():
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
-    # 1. The model: from its config (untrained), initialized from the seed.
+    # 1. The model: from its config, initialized from the seed.
     with explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
         config = AutoConfig.from_pretrained(args.model_name)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
@@ -72,7 +72,7 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume from the latest checkpoint, if there is one.
+    # 4. Resume from the latest checkpoint, if any.
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
     checkpoint_dir = find_latest_checkpoint(experiment_dir)
     if checkpoint_dir is not None:
@@ -229,10 +229,10 @@ def fused_attention_runs(config, device, dtype):
 
 @torch.no_grad()
 def init_weights(model, seed):
+    std = getattr(model.config, "initializer_range", None) or model.config.init_std
     for name, param in model.named_parameters():
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full_value = torch.empty(param.shape, device=param.device)
-        full_value.normal_(0, model.config.initializer_range, generator=generator)
+        full_value = torch.empty(param.shape, device=param.device).normal_(0, std, generator=generator)
         param.copy_(torch.ones_like(full_value) if name.endswith("norm.weight") else full_value)
 
 

@@ -63,7 +63,7 @@ def main():
     experiment_dir = Path(args.save_dir) / args.experiment_name
     experiment_dir.mkdir(parents=True, exist_ok=True)
 
-    # 1. The model: from its config (untrained), initialized from the seed.
+    # 1. The model: from its config, initialized from the seed.
     with rank_zero_first(), explain_load_errors(f"-m {args.model_name}", "pass a hub name or a model folder"):
         config = AutoConfig.from_pretrained(args.model_name)
         tokenizer = AutoTokenizer.from_pretrained(args.model_name)
@@ -103,7 +103,7 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume from the latest checkpoint, if there is one.
+    # 4. Resume from the latest checkpoint, if any.
     train_state = {"step": 0, "epoch": 0, "samples_seen_in_epoch": 0}
     checkpoint_dir = find_latest_checkpoint_on_rank_zero(experiment_dir)
     if checkpoint_dir is not None:
@@ -276,7 +276,7 @@ def get_distributed_environment(rdzv_timeout):
         environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
                            LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
-        # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
+        # NOTE: srun's tasks; a batch script's shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
         environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
@@ -369,10 +369,10 @@ def fused_attention_runs(config, device, dtype):
 
 @torch.no_grad()
 def init_weights(model, seed):
+    std = getattr(model.config, "initializer_range", None) or model.config.init_std
     for name, param in model.named_parameters():
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full_value = torch.empty(param.shape, device=param.device)
-        full_value.normal_(0, model.config.initializer_range, generator=generator)
+        full_value = torch.empty(param.shape, device=param.device).normal_(0, std, generator=generator)
         param.copy_(torch.ones_like(full_value) if name.endswith("norm.weight") else full_value)
 
 

@@ -138,7 +138,7 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume from the latest checkpoint, if there is one.
+    # 4. Resume from the latest checkpoint, if any.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
     background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=args.ckpt_timeout))) if args.async_checkpoint else None
@@ -329,7 +329,7 @@ def get_distributed_environment(rdzv_timeout):
         environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
                            LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
-        # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
+        # NOTE: srun's tasks; a batch script's shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
         environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
@@ -404,7 +404,7 @@ def rank_zero_first():
 # 1. The model
 
 
-# Skipped: the weights in another format (405B's original/*.pth, 800 GB; Mistral's consolidated*).
+# Skipped: weights in another format (405B's original/*.pth, 800 GB; Mistral's consolidated*).
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
 SKIPPED_MODEL_FILES = ["original/*", "consolidated*.safetensors"]
 
@@ -419,8 +419,8 @@ def download_model(model_name):
 
 @contextlib.contextmanager
 def parameters_on_meta():
-    """Parameters on the meta device (no memory, no values), buffers for real, with the values the model's own code
-    computes (the rotary frequencies, a router's bias): accelerate's init_empty_weights."""
+    """Parameters on the meta device (no memory, no values), buffers real, as the model's code computes them (the
+    rotary frequencies, a router's bias): accelerate's init_empty_weights."""
     register_parameter = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -475,7 +475,7 @@ def to_empty_keeping_buffers(model, device, cpu_offload):
 
 
 def find_weight_files(model_dir):
-    # NOTE: no *.safetensors (the tiny model; pickles too, silently): the seed's weights.
+    # NOTE: no *.safetensors (the tiny model): the seed's weights.
     found = sorted(path for path in Path(model_dir).glob("*.safetensors")
                    if not any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_MODEL_FILES))
     pickled = sorted(path.name for pattern in ["pytorch_model*.bin", "*.pth"] for path in Path(model_dir).glob(pattern))
@@ -627,11 +627,11 @@ def shard_model(model, mesh, dtype, cpu_offload, reshard_after_forward=True):
 
 @torch.no_grad()
 def init_weights(model, seed):
+    std = getattr(model.config, "initializer_range", None) or model.config.init_std
     for name, param in model.named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "")
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full_value = torch.empty(param.shape, device=param.device)
-        full_value.normal_(0, model.config.initializer_range, generator=generator)
+        full_value = torch.empty(param.shape, device=param.device).normal_(0, std, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
@@ -754,7 +754,7 @@ class BackgroundSave:
 
     def start(self, state, checkpoint_id, finish):
         self.wait()
-        # NOTE: copies every shard to new host memory first: training on cannot change what is written.
+        # NOTE: every shard copied to host memory first: training on cannot change what is written.
         self.future = dcp.async_save(state, checkpoint_id=checkpoint_id, process_group=self.group)
         self.finish = finish
 

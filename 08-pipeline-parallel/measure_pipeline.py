@@ -33,6 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve().parent / "train_llm.py"
 FIGURE = Path(__file__).resolve().parent / "pipeline-schedules.png"
+# NOTE: chapter 08's zero-bubble schedules: each backward in two passes, which needs --pp-grad-reduce step.
+SPLIT_BACKWARD = ("interleaved-zb", "zbv")
 COLORS = {"forward": "#4c72b0", "loss": "#8172b2", "backward": "#dd8452", "weight": "#c44e52", "reduce": "#55a868"}
 
 
@@ -40,7 +42,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (processes)")
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb",
+                                                           "zbv"])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step, cut into the micro-batches")
     parser.add_argument("--seq-length", type=int, default=64)
@@ -78,7 +81,8 @@ def measure(schedule, microbatches, args, scratch):
     shutil.rmtree(scratch / experiment, ignore_errors=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.pp),
                __file__, "--record", str(SCRIPT), "--pp", str(args.pp), "--pp-schedule", schedule,
-               "--pp-microbatches", str(microbatches), *(["--pp-grad-reduce", "step"] if "zb" in schedule else []),
+               "--pp-microbatches", str(microbatches),
+               *(["--pp-grad-reduce", "step"] if schedule in SPLIT_BACKWARD else []),
                "--batch-size", str(args.batch_size), "--seq-length", str(args.seq_length),
                "--max-steps", str(args.steps), "--log-freq", "1", "--ckpt-freq", "1000", "--num-workers", "0",
                "--wandb-mode", "disabled", "--save-dir", str(scratch), "-e", experiment]
@@ -113,14 +117,16 @@ def measure(schedule, microbatches, args, scratch):
 
 
 def bubble_formula(pp, microbatches, stages_per_rank, schedule):
-    """The idle share of each stage in a balanced pipeline: (p - 1) / (v m + p - 1), v stages per rank; zero
-    bubble fills all but a third of it with weight gradients, (p - 1) / (3 v m + p - 1) (its paper's ZB-H1, with a
-    forward, an input-gradient and a weight-gradient pass taking equal time)."""
-    return (pp - 1) / ((3 if "zb" in schedule else 1) * stages_per_rank * microbatches + pp - 1)
+    """The idle share of each stage in a balanced pipeline, tools/estimate_memory.py's: (p - 1) / (v m + p - 1), v
+    stages per rank; zero bubble and ZBV (p - 1) / (3 v m + p - 1)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from estimate_memory import pipeline_bubble
+
+    return pipeline_bubble(pp, microbatches, stages_per_rank)[schedule]
 
 
 def print_table(results, pp):
-    print("| schedule | m | formula (p-1)/(vm+p-1), zero bubble (p-1)/(3vm+p-1) | " + " | ".join(
+    print("| schedule | m | formula | " + " | ".join(
         f"rank {rank}: busy ms, idle ms, idle share" for rank in range(pp)) + " |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in range(pp)) + " |")
     for (schedule, microbatches), result in results.items():

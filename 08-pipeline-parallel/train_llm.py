@@ -111,7 +111,8 @@ def main():
         compile_layers(model)
     # NOTE: every stage computes the rotary embeddings itself, at the sequence's positions.
     position_ids = torch.arange(args.seq_length, device=device).unsqueeze(0)
-    stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank, position_ids)
+    stage_modules = split_into_stages(model, pp_mesh.get_local_rank(), args.pp, stages_per_rank, position_ids,
+                                      v_shape=args.pp_schedule == "zbv")
     for stage_module in stage_modules:
         shard_model(stage_module, dp_mesh, dtype, args.cpu_offload, reshard_after_forward=args.pp == 1)
         to_empty_keeping_buffers(stage_module, device, args.cpu_offload)
@@ -146,7 +147,7 @@ def main():
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_cosine_lr_factor(step, args.warmup_steps, max_steps))
 
-    # 4. Resume from the latest checkpoint, if there is one.
+    # 4. Resume from the latest checkpoint, if any.
     checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.ckpt_timeout))
     background_save = BackgroundSave(dist.new_group(backend="gloo", timeout=datetime.timedelta(
         seconds=args.ckpt_timeout))) if args.async_checkpoint else None
@@ -294,7 +295,7 @@ def get_parser():
     group.add_argument("--pp-schedule", choices=list(PIPELINE_SCHEDULES), default="1f1b")
     group.add_argument("--pp-microbatches", type=int,
                        help="micro-batches per --batch-size (default: one per sequence; at --pp 1, one)")
-    group.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved)")
+    group.add_argument("--pp-stages-per-rank", type=int, help="stages on each rank (default: 1; 2 interleaved or zbv)")
     group.add_argument("--pp-grad-reduce", choices=["microbatch", "step"], default="microbatch",
                        help="reduce-scatter in every micro-batch's backward, or once a step (less traffic; whole "
                             "fp32 gradients held)")
@@ -348,7 +349,7 @@ def get_distributed_environment(rdzv_timeout):
         environment.update(RANK=environment["OMPI_COMM_WORLD_RANK"], WORLD_SIZE=environment["OMPI_COMM_WORLD_SIZE"],
                            LOCAL_RANK=environment["OMPI_COMM_WORLD_LOCAL_RANK"])
     elif int(environment.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
-        # NOTE: srun's tasks; a batch script's own shell has SLURM_PROCID too, but is one process.
+        # NOTE: srun's tasks; a batch script's shell has SLURM_PROCID too, but is one process.
         launcher = "srun"
         environment.update(RANK=environment["SLURM_PROCID"], WORLD_SIZE=environment["SLURM_STEP_NUM_TASKS"],
                            LOCAL_RANK=environment["SLURM_LOCALID"])
@@ -423,7 +424,7 @@ def rank_zero_first():
 # 1. The model
 
 
-# Skipped: the weights in another format (405B's original/*.pth, 800 GB; Mistral's consolidated*).
+# Skipped: weights in another format (405B's original/*.pth, 800 GB; Mistral's consolidated*).
 MODEL_FILES = ["*.json", "*.safetensors", "tokenizer*"]
 SKIPPED_MODEL_FILES = ["original/*", "consolidated*.safetensors"]
 
@@ -438,8 +439,8 @@ def download_model(model_name):
 
 @contextlib.contextmanager
 def parameters_on_meta():
-    """Parameters on the meta device (no memory, no values), buffers for real, with the values the model's own code
-    computes (the rotary frequencies, a router's bias): accelerate's init_empty_weights."""
+    """Parameters on the meta device (no memory, no values), buffers real, as the model's code computes them (the
+    rotary frequencies, a router's bias): accelerate's init_empty_weights."""
     register_parameter = torch.nn.Module.register_parameter
 
     def register_on_meta(module, name, param):
@@ -485,19 +486,18 @@ def compile_layers(model):
 
 # --pp-schedule's names for get_schedule_class().
 PIPELINE_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
-                      "interleaved-zb": "InterleavedZeroBubble"}
+                      "interleaved-zb": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}
 
 
 def check_pipeline_layout(args, config):
     one_stage_per_rank = issubclass(get_schedule_class(PIPELINE_SCHEDULES[args.pp_schedule]), PipelineScheduleSingle)
-    stages_per_rank = args.pp_stages_per_rank or (1 if one_stage_per_rank else 2)
-    require(not one_stage_per_rank or stages_per_rank == 1, f"--pp-schedule {args.pp_schedule} runs one stage per "
-            f"rank, not --pp-stages-per-rank {stages_per_rank}; use interleaved-1f1b")
-    require(one_stage_per_rank or stages_per_rank >= 2, f"--pp-schedule {args.pp_schedule} needs 2 or more "
-            f"--pp-stages-per-rank, not {stages_per_rank}; or use --pp-schedule 1f1b")
-    require(args.pp_schedule != "interleaved-zb" or args.pp_grad_reduce == "step" and not args.compile
-            and not args.activation_checkpointing, "--pp-schedule interleaved-zb splits each backward in two; use "
-            "--pp-grad-reduce step, without --compile or --activation-checkpointing")
+    fewest, most = (1, 1) if one_stage_per_rank else (2, 2) if args.pp_schedule == "zbv" else (2, math.inf)
+    stages_per_rank = args.pp_stages_per_rank or fewest
+    require(fewest <= stages_per_rank <= most, f"--pp-schedule {args.pp_schedule} takes --pp-stages-per-rank "
+            f"{fewest}{' or more' * (most > fewest)}, not {stages_per_rank}; leave it out")
+    require(args.pp_schedule not in ("interleaved-zb", "zbv") or args.pp_grad_reduce == "step"
+            and not args.compile and not args.activation_checkpointing, f"--pp-schedule {args.pp_schedule} splits "
+            "each backward in two; use --pp-grad-reduce step, without --compile or --activation-checkpointing")
     num_stages, num_layers = args.pp * stages_per_rank, config.num_hidden_layers
     require(num_stages <= num_layers, f"{num_stages} pipeline stages (--pp {args.pp} x {stages_per_rank} per rank) "
             f"for {num_layers} decoder layers; use at most {num_layers}, or a smaller --pp")
@@ -514,19 +514,20 @@ def check_pipeline_layout(args, config):
             f"{num_stages} or more, or gpipe")
     # NOTE: interleaving runs the micro-batches in equal rounds of up to --pp.
     rounds = max(1, num_microbatches // args.pp)
-    require(one_stage_per_rank or num_microbatches % rounds == 0, f"{num_microbatches} micro-batches a step "
-            f"(--pp-microbatches x --grad-accum) cannot make {rounds} equal rounds of {args.pp_schedule}; use a "
-            f"multiple of --pp {args.pp}")
+    require(not args.pp_schedule.startswith("interleaved") or num_microbatches % rounds == 0, f"{num_microbatches} "
+            f"micro-batches a step (--pp-microbatches x --grad-accum) cannot make {rounds} equal rounds of "
+            f"{args.pp_schedule}; use a multiple of --pp {args.pp}")
     return stages_per_rank, num_microbatches
 
 
-def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids):
+def split_into_stages(model, pp_rank, pp_degree, stages_per_rank, position_ids, v_shape=False):
     num_stages = pp_degree * stages_per_rank
     num_layers = model.config.num_hidden_layers
     # NOTE: the first num_layers % num_stages stages get a layer more.
     first_layers = [stage * (num_layers // num_stages) + min(stage, num_layers % num_stages)
                     for stage in range(num_stages + 1)]
-    stage_indices = [pp_rank + pp_degree * local_index for local_index in range(stages_per_rank)]
+    stage_indices = [pp_rank, num_stages - 1 - pp_rank] if v_shape else [
+        pp_rank + pp_degree * local_index for local_index in range(stages_per_rank)]
     model.model.layers = torch.nn.ModuleDict({str(index): model.model.layers[index] for stage in stage_indices
                                               for index in range(first_layers[stage], first_layers[stage + 1])})
     if 0 not in stage_indices:
@@ -584,7 +585,7 @@ def to_empty_keeping_buffers(model, device, cpu_offload):
 
 
 def find_weight_files(model_dir):
-    # NOTE: no *.safetensors (the tiny model; pickles too, silently): the seed's weights.
+    # NOTE: no *.safetensors (the tiny model): the seed's weights.
     found = sorted(path for path in Path(model_dir).glob("*.safetensors")
                    if not any(fnmatch.fnmatch(path.name, pattern) for pattern in SKIPPED_MODEL_FILES))
     pickled = sorted(path.name for pattern in ["pytorch_model*.bin", "*.pth"] for path in Path(model_dir).glob(pattern))
@@ -617,11 +618,11 @@ def load_pretrained_weights(model, model_dir):
 
 @torch.no_grad()
 def init_weights(model, seed):
+    std = getattr(model.config, "initializer_range", None) or model.config.init_std
     for name, param in model.named_parameters():
         name = name.replace("_checkpoint_wrapped_module.", "")
         generator = torch.Generator(param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        full_value = torch.empty(param.shape, device=param.device)
-        full_value.normal_(0, model.config.initializer_range, generator=generator)
+        full_value = torch.empty(param.shape, device=param.device).normal_(0, std, generator=generator)
         full_value = torch.ones_like(full_value) if name.endswith("norm.weight") else full_value
         param.copy_(distribute_tensor(full_value, param.device_mesh, param.placements, src_data_rank=None))
 
@@ -748,7 +749,7 @@ class BackgroundSave:
 
     def start(self, state, checkpoint_id, finish):
         self.wait()
-        # NOTE: copies every shard to new host memory first: training on cannot change what is written.
+        # NOTE: every shard copied to host memory first: training on cannot change what is written.
         self.future = dcp.async_save(state, checkpoint_id=checkpoint_id, process_group=self.group)
         self.finish = finish
 

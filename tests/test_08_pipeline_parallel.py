@@ -47,6 +47,9 @@ LAYOUTS = {
     # --global-batch-size 4 sets the 2 micro-steps (2 sequences on 1 data-parallel rank).
     "pp2-interleaved-zb": (2, ["--pp", "2", "--pp-schedule", "interleaved-zb", "--pp-microbatches", "2",
                                "--batch-size", "2", "--global-batch-size", "4", "--pp-grad-reduce", "step"]),
+    # ZBV: a rank's stages in a V (rank 0 runs stages 0 and 3), 2 micro-batches (fewer than its 2p - 1 = 3 slots).
+    "pp2-zbv": (2, ["--pp", "2", "--pp-schedule", "zbv", "--pp-microbatches", "2", "--batch-size", "4",
+                    "--pp-grad-reduce", "step"]),
     "pp2-dp2-1f1b": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2", "--batch-size", "2"]),
     # PipelineStage's own reduction: each FSDP group reduce-scattered once a step, after the last micro-batch.
     "pp2-dp2-1f1b-reduce-per-step": (4, ["--pp", "2", "--pp-schedule", "1f1b", "--pp-microbatches", "2",
@@ -364,16 +367,19 @@ LAYOUT_ERRORS = {
                                 "smaller --pp"),
     "several stages for a one-stage schedule": (["--pp", "2", "--pp-schedule", "gpipe", "--pp-stages-per-rank",
                                                  "2"], {},
-                                                "--pp-schedule gpipe runs one stage per rank, not "
-                                                "--pp-stages-per-rank 2; use interleaved-1f1b"),
+                                                "--pp-schedule gpipe takes --pp-stages-per-rank 1, not 2; "
+                                                "leave it out"),
     "one stage for the interleaved schedule": (["--pp", "2", "--pp-schedule", "interleaved-1f1b",
                                                 "--pp-stages-per-rank", "1"], {},
-                                               "--pp-schedule interleaved-1f1b needs 2 or more "
-                                               "--pp-stages-per-rank, not 1"),
+                                               "--pp-schedule interleaved-1f1b takes --pp-stages-per-rank 2 "
+                                               "or more, not 1; leave it out"),
     "fewer micro-batches than stages for 1f1b": (["--pp", "2", "--pp-microbatches", "1"], {},
                                                  "--pp-schedule 1f1b needs at least one micro-batch per stage in a "
                                                  "step, not 1 (--pp-microbatches x --grad-accum); use 2 or more, or "
                                                  "gpipe"),
+    "three stages a rank in a V": (["--pp", "2", "--pp-schedule", "zbv", "--pp-grad-reduce", "step",
+                                    "--pp-stages-per-rank", "3"], {},
+                                   "--pp-schedule zbv takes --pp-stages-per-rank 2, not 3; leave it out"),
     "interleaved rounds": (["--pp", "2", "--pp-schedule", "interleaved-1f1b", "--pp-microbatches", "5",
                             "--batch-size", "10"], {},
                            "5 micro-batches a step (--pp-microbatches x --grad-accum) cannot make 2 equal rounds of "
@@ -383,6 +389,10 @@ LAYOUT_ERRORS = {
                                                   "--pp-grad-reduce step, without --compile or "
                                                   "--activation-checkpointing"),
     # NOTE: a checkpointed layer recomputes its forward in the input backward and again in the weight backward.
+    "zbv reducing in every micro-batch": (["--pp", "2", "--pp-schedule", "zbv"], {},
+                                          "--pp-schedule zbv splits each backward in two; use --pp-grad-reduce step"),
+    "zbv compiled": (["--pp", "2", "--pp-schedule", "zbv", "--pp-grad-reduce", "step", "--compile"], {},
+                     "--pp-schedule zbv splits each backward in two"),
     "zero bubble with checkpointed layers": (["--pp", "2", "--pp-schedule", "interleaved-zb", "--pp-grad-reduce",
                                               "step", "--activation-checkpointing"], {},
                                              "--pp-schedule interleaved-zb splits each backward in two"),

@@ -36,9 +36,10 @@ LAYOUTS = {
     # NOTE: two batches of 2 a step, run as one schedule of 4 micro-batches (one fill and drain).
     "pp2-cp2-unclipped-accum2": (["--pp", "2", "--cp", "2", "--grad-accum", "2", *NO_CLIPPING],
                                  {"dp": 1, "pp": 2, "cp": 2, "tp": 1}),
-    # NOTE: --global-batch-size divides by the 2 data-parallel ranks (not the world's 4): one micro-step.
-    "pp2-dp2-reduce-per-step": (["--pp", "2", "--pp-grad-reduce", "step", "--global-batch-size", str(GLOBAL_BATCH)],
-                                {"dp": 2, "pp": 2, "cp": 1, "tp": 1}),
+    # NOTE: --global-batch-size divides by the 2 data-parallel ranks (not the world's 4): one micro-step. ZBV (a
+    # rank's stages in a V, each backward split in two) needs the reduction once a step.
+    "pp2-dp2-zbv-reduce-per-step": (["--pp", "2", "--pp-schedule", "zbv", "--pp-grad-reduce", "step",
+                                     "--global-batch-size", str(GLOBAL_BATCH)], {"dp": 2, "pp": 2, "cp": 1, "tp": 1}),
     # NOTE: at --pp 1 the interleaved schedule still runs a rank's two stages in turn.
     "interleaved-pp1-dp2": (["--pp-schedule", "interleaved-1f1b"], {"dp": 2, "pp": 1, "cp": 1, "tp": 1}),
 }

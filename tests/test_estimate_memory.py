@@ -57,6 +57,11 @@ CASES = {
                                                                  "--grad-accum", "2"],
                                               {"pp": 2, "fsdp": True, "pp_schedule": "interleaved-1f1b",
                                                "batch_size": 1, "grad_accum": 4}),
+    # NOTE: ZBV's V: rank 0 runs stages 0 and 3 (the embeddings, the head and the loss), each rank 2 whole in flight.
+    "08 llama pp2 zbv grad-accum 2": ("08", 2, "llama", ["--pp", "2", "--pp-schedule", "zbv", "--pp-grad-reduce",
+                                                         "step", "--grad-accum", "2", "--max-steps", "2"],
+                                      {"pp": 2, "fsdp": True, "pp_schedule": "zbv", "pp_grad_reduce": "step",
+                                       "batch_size": 1, "grad_accum": 4}),
     "09 llama cp2": ("09", 2, "llama", ["--cp", "2"], {"cp": 2, "fsdp": True}),
     "10 moe ep2 edp2": ("10", 4, "moe", ["--ep", "2"], {"dp": 4, "ep": 2, "fsdp": True}),
     # NOTE: 2 steps: a pipeline's first step also runs one micro-batch's forward to learn the shapes its stages send
@@ -486,8 +491,64 @@ def test_the_pipeline_bubble_is_each_schedules_formula():
     (p - 1) / (6m + p - 1) for interleaved zero bubble: chapter 08's 70B layout, 8 stages and 16 micro-batches, idles
     30.4%, 17.9% or 6.8% of a step; no pipeline, no bubble."""
     assert estimate_memory.pipeline_bubble(8, 16) == {"gpipe": 7 / 23, "1f1b": 7 / 23, "interleaved-1f1b": 7 / 39,
-                                                      "interleaved-zb": 7 / 103}
+                                                      "interleaved-zb": 7 / 103, "zbv": 7 / 103}
     assert estimate_memory.pipeline_bubble(1, 16) == {}
+
+
+def unit_time_idle_shares(schedule, stages, micro_batches):
+    """Each rank's idle share of torch's own schedule run with every forward, input-gradient and weight-gradient
+    pass of a stage taking one unit (a whole backward two), each waiting for the passes it needs."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Kind
+
+    schedule.pp_group_size, schedule._n_microbatches, schedule.num_stages = stages, micro_batches, 2 * stages
+    schedule.n_local_stages = 2
+    orders = {rank: [action for action in schedule._calculate_single_rank_operations(rank) if action is not None]
+              for rank in range(stages)}
+    kinds = {Kind.FORWARD: ("F", 1), Kind.BACKWARD_INPUT: ("I", 1), Kind.FULL_BACKWARD: ("I", 2),
+             Kind.BACKWARD_WEIGHT: ("W", 1)}
+    finished, clock, busy, position = {}, [0] * stages, [0] * stages, [0] * stages
+
+    def needs(action):
+        kind, index, micro_batch = kinds[action.computation_type][0], action.stage_index, action.microbatch_index
+        if kind == "F":
+            return [("F", index - 1, micro_batch)] if index else []
+        if kind == "I":
+            return [("F", index, micro_batch)] + ([("I", index + 1, micro_batch)] if index < 2 * stages - 1 else [])
+        return [("I", index, micro_batch)]
+
+    while any(position[rank] < len(orders[rank]) for rank in range(stages)):
+        moved = False
+        for rank in range(stages):
+            while position[rank] < len(orders[rank]):
+                action = orders[rank][position[rank]]
+                parts = action.sub_actions or (action,)
+                waits = [need for part in parts for need in needs(part)]
+                if any(need not in finished for need in waits):
+                    break
+                start = max([clock[rank], *(finished[need] for need in waits)])
+                for part in parts:
+                    kind, cost = kinds[part.computation_type]
+                    start += cost
+                    busy[rank] += cost
+                    finished[kind, part.stage_index, part.microbatch_index] = start
+                clock[rank], position[rank], moved = start, position[rank] + 1, True
+        assert moved, "the schedule deadlocked"
+    return [1 - work / max(clock) for work in busy]
+
+
+@pytest.mark.quick
+def test_zbv_idles_as_its_formula_says_and_dualpipev_more():
+    """ZBV's bubble in pipeline_bubble() against torch's own schedule, run at unit times; torch's DualPipeV, its
+    forward and backward pairs run in turn (as without a custom overlap), idles (p - 1) / (3m + p - 1): 1.8 times
+    ZBV's share or more at the m >= 2p it needs, why chapter 08 does not offer it (its README)."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+
+    for stages, micro_batches in [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 32)]:
+        zbv = unit_time_idle_shares(object.__new__(ScheduleZBVZeroBubble), stages, micro_batches)
+        assert max(zbv) == pytest.approx(estimate_memory.pipeline_bubble(stages, micro_batches)["zbv"], abs=1e-12)
+        dualpipev = unit_time_idle_shares(object.__new__(ScheduleDualPipeV), stages, micro_batches)
+        assert max(dualpipev) == pytest.approx((stages - 1) / (3 * micro_batches + stages - 1), abs=1e-12)
+        assert max(dualpipev) >= 1.8 * max(zbv), (stages, micro_batches, zbv, dualpipev)
 
 
 @pytest.mark.quick
@@ -509,6 +570,34 @@ def test_the_in_flight_count_of_interleaved_1f1b_is_torchs():
                     most = max(most, held)
                 in_flight = estimate_memory.IN_FLIGHT["interleaved-1f1b"](stages, rank, micro_batches, per_rank)
                 assert in_flight == most / per_rank, (stages, per_rank, micro_batches, rank)
+
+
+@pytest.mark.quick
+def test_the_in_flight_count_of_zbv_is_torchs():
+    """IN_FLIGHT's ZBV against torch's own schedule, as above: the most forwards whose input-gradient pass has not
+    run, in units of a rank's two stages. torch's DualPipeV holds one stage's micro-batch more at m >= 2p."""
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble, _ComputationType
+
+    change = {_ComputationType.FORWARD: 1, _ComputationType.BACKWARD_INPUT: -1, _ComputationType.FULL_BACKWARD: -1}
+
+    def most_held(schedule_class, stages, rank, micro_batches):
+        schedule = object.__new__(schedule_class)
+        schedule.pp_group_size, schedule._n_microbatches = stages, micro_batches
+        schedule.num_stages, schedule.n_local_stages = 2 * stages, 2
+        held = most = 0
+        for action in filter(None, schedule._calculate_single_rank_operations(rank)):
+            for part in action.sub_actions or (action,):
+                held += change.get(part.computation_type, 0)
+                most = max(most, held)
+        return most
+
+    for stages in (2, 4, 8):
+        for micro_batches in sorted({1, stages, 2 * stages - 1, 2 * stages, 4 * stages}):
+            for rank in range(stages):
+                zbv = most_held(ScheduleZBVZeroBubble, stages, rank, micro_batches)
+                assert estimate_memory.IN_FLIGHT["zbv"](stages, rank, micro_batches, 2) == zbv / 2
+                if micro_batches >= 2 * stages:
+                    assert most_held(ScheduleDualPipeV, stages, rank, micro_batches) == zbv + 1
 
 
 @pytest.mark.quick

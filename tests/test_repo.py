@@ -62,21 +62,36 @@ NO_MODEL_LAYERS = {
 def test_a_model_without_model_layers_gets_one_line_from_every_chapter_that_splits_layers(env, tmp_path, chapter):
     """Chapters 04-11 shard, split or checkpoint model.model.layers: a model whose layers are elsewhere (GPT-NeoX in
     04 and 08, OPT in 06 and 11) stops before the first step with one line naming it and the way out."""
-    import json
+    model_type = "gpt_neox" if chapter in ("04", "08") else "opt"
+    model = write_model_without_model_layers(tmp_path, model_type)
+    result = run([sys.executable, script(chapter), "-m", model, "--max-steps", "1", "--seq-length", "32",
+                  "--wandb-mode", "disabled", "--save-dir", tmp_path / "outputs"], env, tmp_path, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == f"error: {model_type} has no model.layers to split; use chapter 02"
+
+
+@pytest.mark.parametrize("model_type", NO_MODEL_LAYERS)
+def test_chapter_02_trains_the_models_the_line_sends_to_it(env, tmp_path, model_type):
+    """The way out the line above names: chapter 02 trains each model from the seed, OPT too, whose config names the
+    initial weights' spread init_std (initializer_range elsewhere)."""
+    model = write_model_without_model_layers(tmp_path, model_type)
+    _, experiment = train("02", env, tmp_path, "-m", model, "--max-steps", "2", "--seq-length", "32", nproc=2)
+    records = read_metrics(experiment)
+    assert [record["step"] for record in records] == [1, 2] and all(7 < record["loss"] < 9 for record in records)
+
+
+def write_model_without_model_layers(folder, model_type):
+    """A tiny model of NO_MODEL_LAYERS's type, with the bundled tokenizer, in folder/tiny-{model_type}."""
     import shutil
 
-    model_type = "gpt_neox" if chapter in ("04", "08") else "opt"
-    model = tmp_path / f"tiny-{model_type}"
+    model = folder / f"tiny-{model_type}"
     model.mkdir()
     for path in (REPO / "data" / "tiny-llama").glob("tokenizer*"):
         shutil.copy(path, model)
     (model / "config.json").write_text(json.dumps({
         "model_type": model_type, "vocab_size": 4096, "hidden_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "max_position_embeddings": 256, **NO_MODEL_LAYERS[model_type]}))
-    result = run([sys.executable, script(chapter), "-m", model, "--max-steps", "1", "--seq-length", "32",
-                  "--wandb-mode", "disabled", "--save-dir", tmp_path / "outputs"], env, tmp_path, check=False)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert result.stderr.strip().splitlines()[-1] == f"error: {model_type} has no model.layers to split; use chapter 02"
+    return model
 
 
 @pytest.mark.parametrize("chapter", EXISTING_CHAPTERS)

@@ -179,7 +179,14 @@ class Layout:
 
     @property
     def stages_per_rank(self):
+        if self.pp_schedule in V_SCHEDULES:
+            return 2
         return self.pp_stages_per_rank if self.pp_schedule.startswith("interleaved") else 1
+
+    @property
+    def last_stage_rank(self):
+        """The pipeline rank of the last stage (the norm, the head, the loss): rank 0 in a V, else the last."""
+        return 0 if self.pp_schedule in V_SCHEDULES else self.pp - 1
 
     @property
     def world_size(self):
@@ -326,7 +333,7 @@ def check_layout(parameters, dims, layout):
     if layout.pp * layout.stages_per_rank > dims.layers:
         fail(f"--pp {layout.pp} makes {layout.pp * layout.stages_per_rank} stages, more than the model's "
              f"{dims.layers} decoder layers; use a smaller --pp"
-             + (" or --pp-stages-per-rank" if layout.stages_per_rank > 1 else ""))
+             + (" or --pp-stages-per-rank" if layout.pp_schedule.startswith("interleaved") else ""))
 
 
 def check_expert_layout(parameters, dims, layout):
@@ -383,18 +390,24 @@ def rank_coordinates(layout):
 
 
 def stage_layers(dims, layout, pp_rank):
-    """The decoder layers of a pipeline rank: its stages pp_rank, pp_rank + pp, ... of pp x stages per rank, as even
-    a split as the layers allow, earlier stages taking the rest."""
-    return split_layers(dims.layers, layout.pp, layout.stages_per_rank, pp_rank)
+    """The decoder layers of a pipeline rank: its stages (rank_stages) of pp x stages per rank, as even a split as
+    the layers allow, earlier stages taking the rest."""
+    return split_layers(dims.layers, layout.pp, layout.stages_per_rank, pp_rank, layout.pp_schedule in V_SCHEDULES)
+
+
+def rank_stages(pp, stages_per_rank, pp_rank, v_shape):
+    """A pipeline rank's stages, as chapter 08 deals them: pp_rank, pp_rank + pp, ... round-robin, or in a V
+    (pp_rank and 2 pp - 1 - pp_rank) for ZBV."""
+    return (pp_rank, 2 * pp - 1 - pp_rank) if v_shape else range(pp_rank, pp * stages_per_rank, pp)
 
 
 @functools.lru_cache
-def split_layers(num_layers, pp, stages_per_rank, pp_rank):
+def split_layers(num_layers, pp, stages_per_rank, pp_rank, v_shape=False):
     # NOTE: cached: every parameter asks whether its layer is on the rank (tools/plan_layout.py, thousands of layouts).
     num_stages = pp * stages_per_rank
     per_stage, extra = divmod(num_layers, num_stages)
     starts = [stage * per_stage + min(stage, extra) for stage in range(num_stages + 1)]
-    return frozenset(layer for stage in range(pp_rank, num_stages, pp)
+    return frozenset(layer for stage in rank_stages(pp, stages_per_rank, pp_rank, v_shape)
                      for layer in range(starts[stage], starts[stage + 1]))
 
 
@@ -404,8 +417,8 @@ def on_this_stage(param, dims, layout, stage):
     if param.layer is not None:
         return param.layer in stage_layers(dims, layout, stage)
     if param.role == "embedding":
-        return stage == 0 or (dims.tied and stage == layout.pp - 1)
-    return stage == layout.pp - 1
+        return stage == 0 or (dims.tied and stage == layout.last_stage_rank)
+    return stage == layout.last_stage_rank
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -607,7 +620,7 @@ def activation_model(dims, layout, coords, widths, in_flight=None):
     num_layers = len(layers)
     num_moe_layers = sum(layer in layers for layer in dims.moe_layers)
     layer_bytes = moe_layer_bytes if num_moe_layers else dense_layer_bytes
-    is_last_stage = coords.pp == layout.pp - 1
+    is_last_stage = coords.pp == layout.last_stage_rank
     # NOTE: under TP the embedding's output is whole (Replicate); layer 0 keeps a slice of it, a view that keeps
     # the whole storage alive.
     embedding = (w["residual"] * h * (1 - 1 / t) * tokens) if 0 in layers and t > 1 else 0
@@ -638,10 +651,15 @@ def activation_model(dims, layout, coords, widths, in_flight=None):
 # The micro-batches whose activations a pipeline rank holds at once, in passes through all its layers, by schedule:
 # (stages p, this rank r, micro-batches m a step). NOTE: 1F1B's warm-up runs p - r forwards before the first
 # backward; interleaved 1F1B (torch's _get_warmup_ops) runs (v - 1) x R + 2 (p - 1 - r) + 1 chunks of 1/v (v stages
-# a rank), with R = m / (its rounds, m // p or 1) micro-batches a round, at most all v x m (tests/test_estimate_memory).
+# a rank), with R = m / (its rounds, m // p or 1) micro-batches a round, at most all v x m. ZBV runs 2p - r - 1 of its
+# first stage's and r + 1 of its second's, half a rank each. Each counted on torch's own schedules in
+# tests/test_estimate_memory.py.
 IN_FLIGHT = {"gpipe": lambda p, r, m, v: m, "1f1b": lambda p, r, m, v: min(p - r, m),
              "interleaved-1f1b": lambda p, r, m, v: min((v - 1) * (m // max(1, m // p)) + 2 * (p - 1 - r) + 1,
-                                                       v * m) / v}
+                                                       v * m) / v,
+             "zbv": lambda p, r, m, v: (min(2 * p - r - 1, m) + min(r + 1, m)) / 2}
+# NOTE: ZBV holds a rank's two stages in a V (r and 2p - 1 - r): the first and the last stage on rank 0.
+V_SCHEDULES = ("zbv",)
 
 
 def moe_mlp_bytes_per_token(dims, widths):
@@ -979,9 +997,12 @@ def communication(parameters, dims, layout, coords, groups, widths, buffer_bytes
     if layout.pp > 1:
         tokens = layout.batch_size * layout.seq_length // layout.cp
         boundary = widths["residual"] * dims.hidden / layout.tp * tokens
-        # NOTE: each of this rank's stages sends activations forward and their gradients backward, but at the ends.
+        # NOTE: each of this rank's stages sends activations forward and their gradients backward, but at the ends
+        # and to a stage on the same rank (the V's turn).
         num_stages = layout.pp * layout.stages_per_rank
-        sends = sum((stage < num_stages - 1) + (stage > 0) for stage in range(coords.pp, num_stages, layout.pp))
+        held = rank_stages(layout.pp, layout.stages_per_rank, coords.pp, layout.pp_schedule in V_SCHEDULES)
+        sends = sum((stage < num_stages - 1 and stage + 1 not in held) + (stage > 0 and stage - 1 not in held)
+                    for stage in held)
         add("pp (stage to stage)", 2, "send", boundary, calls=sends * micro_batches)
         # NOTE: the gradient norm of the whole model: the stages' squared norms summed, one fp32 number.
         add("pp (stage to stage)", layout.pp, "all_reduce", 4)
@@ -1006,7 +1027,7 @@ def tensor_parallel_collectives(add, dims, layout, coords, parameters, widths, m
                  ("reduce_scatter", gathered, 2), ("all_gather", reduced, 2)]      # backward
     for kind, buffer_bytes, calls in per_layer:
         add("tp", t, kind, buffer_bytes, calls=calls * num_layers * micro_batches)
-    first_stage, last_stage = coords.pp == 0, coords.pp == layout.pp - 1
+    first_stage, last_stage = coords.pp == 0, coords.pp == layout.last_stage_rank
     if first_stage:
         # NOTE: the embedding's partial lookups are summed whole (Replicate), in the embedding's dtype; in backward
         # layer 0's input slice is all-gathered back.
@@ -1073,13 +1094,15 @@ def pipeline_bubble(stages, micro_batches, stages_per_rank=2):
     micro-batches a step: (p - 1) / (m + p - 1) for GPipe and 1F1B; interleaved 1F1B with v stages per rank cuts
     each stage's work v times finer, (p - 1) / (v m + p - 1) (default v = 2, the chapters'); interleaved zero bubble
     fills two thirds of that with weight gradients, (p - 1) / (3 v m + p - 1) (its paper's ZB-H1, with a forward, an
-    input-gradient and a weight-gradient pass taking equal time). Empty without a pipeline."""
+    input-gradient and a weight-gradient pass taking equal time), and so does ZBV at v = 2: the shares of torch's
+    own schedules run at those times (tests/test_estimate_memory.py). Empty without a pipeline."""
     if stages == 1:
         return {}
     bubble = {"gpipe": (stages - 1) / (micro_batches + stages - 1)}
     bubble["1f1b"] = bubble["gpipe"]
     bubble["interleaved-1f1b"] = (stages - 1) / (stages_per_rank * micro_batches + stages - 1)
     bubble["interleaved-zb"] = (stages - 1) / (3 * stages_per_rank * micro_batches + stages - 1)
+    bubble["zbv"] = (stages - 1) / (6 * micro_batches + stages - 1)
     return bubble
 
 

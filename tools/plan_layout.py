@@ -173,7 +173,8 @@ def candidates(config, args, world_size, global_batch):
 
 def pipeline_schedules(pp, micro_batches, config):
     """1F1B, and interleaved 1F1B where its 2 stages per rank have a layer each and its rounds are equal (chapter 08's
-    rules)."""
+    rules). Not the zero-bubble schedules: they run eager (PyTorch splits no compiled backward), and the step model
+    does not time the host, which an eager step at these sizes waits for (tests/README.md's host table)."""
     if pp == 1:
         return ["1f1b"]
     interleaved = 2 * pp <= config.num_hidden_layers and micro_batches % max(1, micro_batches // pp) == 0
