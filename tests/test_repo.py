@@ -75,7 +75,7 @@ def test_chapter_02_trains_the_models_the_line_sends_to_it(env, tmp_path, model_
     """The way out the line above names: chapter 02 trains each model from the seed, OPT too, whose config names the
     initial weights' spread init_std (initializer_range elsewhere)."""
     model = write_model_without_model_layers(tmp_path, model_type)
-    _, experiment = train("02", env, tmp_path, "-m", model, "--max-steps", "2", "--seq-length", "32", nproc=2)
+    _, experiment = train("02", env, tmp_path, "-m", model, "--max-steps", "2", "--seq-length", "32", nproc=1)
     records = read_metrics(experiment)
     assert [record["step"] for record in records] == [1, 2] and all(7 < record["loss"] < 9 for record in records)
 
