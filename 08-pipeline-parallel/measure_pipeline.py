@@ -31,6 +31,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+from estimate_memory import pipeline_bubble  # noqa: E402  (one definition of the bubble for the table and the tool)
 SCRIPT = Path(__file__).resolve().parent / "train_llm.py"
 FIGURE = Path(__file__).resolve().parent / "pipeline-schedules.png"
 # NOTE: chapter 08's zero-bubble schedules: each backward in two passes, which needs --pp-grad-reduce step.
@@ -118,11 +120,8 @@ def measure(schedule, microbatches, args, scratch):
 
 def bubble_formula(pp, microbatches, stages_per_rank, schedule):
     """The idle share of each stage in a balanced pipeline, tools/estimate_memory.py's: (p - 1) / (v m + p - 1), v
-    stages per rank; zero bubble and ZBV (p - 1) / (3 v m + p - 1)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    from estimate_memory import pipeline_bubble
-
-    return pipeline_bubble(pp, microbatches, stages_per_rank)[schedule]
+    stages per rank; zero bubble and ZBV (p - 1) / (3 v m + p - 1) (ZBV at m >= (3p - 1) / 2)."""
+    return pipeline_bubble(pp, microbatches, stages_per_rank).get(schedule, 0.0)
 
 
 def print_table(results, pp):

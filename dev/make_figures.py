@@ -16,9 +16,9 @@ The figures, and the runs each one is drawn from (the tables below list them; a 
                                 --activation-checkpointing, measured and estimated; and the estimate for 405B
     batch_size_lr.png           chapter 01 at global batches of 2, 8 and 32 on the same tokens, the learning
                                 rate unscaled, times the square root of the factor, or times the factor
-    08-pipeline-parallel/pipeline-schedules.png   GPipe, 1F1B and interleaved 1F1B timelines measured at 4
-                                micro-batches (08-pipeline-parallel/measure_pipeline.py; its bubble table takes
-                                longer: run it alone)
+    08-pipeline-parallel/pipeline-schedules.png   GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble and ZBV
+                                timelines measured at 4 micro-batches (08-pipeline-parallel/measure_pipeline.py;
+                                its bubble table takes longer: run it alone)
     09-context-parallel/load-balanced-layout.png  which rank computes which part of the causal attention, from
                                 chapter 09's own token split (09-context-parallel/draw_context_parallel_layout.py)
     11-4d-parallel/parity-matrix.png  chapter 11 in five layouts of tp, pp, cp and dp against chapter 01: the
@@ -352,8 +352,8 @@ def make_activation_checkpointing(runner, out_dir):
 
 def make_pipeline_schedules(runner, out_dir):
     path = chapter_figure(out_dir, "08", "pipeline-schedules.png")
-    # NOTE: fast, one schedule of one stage per rank and zero bubble's two, with its weight passes.
-    fast = ["--steps", "3", "--schedules", "1f1b", "interleaved-zb"] if runner.fast else []
+    # NOTE: fast, one schedule of one stage per rank and ZBV's two in a V, with its weight passes.
+    fast = ["--steps", "3", "--schedules", "1f1b", "zbv"] if runner.fast else []
     runner.run_tool("pipeline-schedules", REPO / CHAPTERS["08"] / "measure_pipeline.py", "--microbatches", "4", *fast,
                     "--figure", path)
     return path

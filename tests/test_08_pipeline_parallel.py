@@ -155,6 +155,27 @@ def test_one_stage_alone_has_another_gradient_norm():
     assert all(stage_norm < 0.9 * whole for stage_norm in stage_norms)
 
 
+@pytest.mark.quick
+def test_zbv_puts_a_ranks_two_stages_in_a_v():
+    """split_into_stages(v_shape=True) at --pp 2: rank 0 holds stages 0 and 3 (layers 0 and 3, the embeddings, the
+    final norm and the head), rank 1 stages 1 and 2 (layers 1 and 2 only); round-robin gives rank 0 stages 0 and 2."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    chapter_08, config = load_script("08"), AutoConfig.from_pretrained(TINY_MODEL)
+    held = {}
+    for pp_rank, v_shape in [(0, True), (1, True), (0, False)]:
+        with torch.device("meta"):
+            meta_model = AutoModelForCausalLM.from_config(config)
+        stages = chapter_08.split_into_stages(meta_model, pp_rank, 2, 2, position_ids=None, v_shape=v_shape)
+        held[pp_rank, v_shape] = ([(stage.stage_index, list(stage.layers)) for stage in stages],
+                                  {name.split(".")[-2] for name, _ in meta_model.named_parameters()
+                                   if ".layers." not in name})
+    assert held[0, True] == ([(0, ["0"]), (3, ["3"])], {"embed_tokens", "norm", "lm_head"})
+    assert held[1, True] == ([(1, ["1"]), (2, ["2"])], set())
+    assert held[0, False][0] == [(0, ["0"]), (2, ["2"])]
+
+
 def microbatch_order(record, pp_rank):
     """The (kind, stage, micro-batch) sequence a rank of the first pipeline computed, in time order (R: the
     gradient reduction after a stage's last backward, micro-batch None); the loss is part of its micro-batch's
@@ -388,11 +409,11 @@ LAYOUT_ERRORS = {
                                                   "--pp-schedule interleaved-zb splits each backward in two; use "
                                                   "--pp-grad-reduce step, without --compile or "
                                                   "--activation-checkpointing"),
-    # NOTE: a checkpointed layer recomputes its forward in the input backward and again in the weight backward.
     "zbv reducing in every micro-batch": (["--pp", "2", "--pp-schedule", "zbv"], {},
                                           "--pp-schedule zbv splits each backward in two; use --pp-grad-reduce step"),
     "zbv compiled": (["--pp", "2", "--pp-schedule", "zbv", "--pp-grad-reduce", "step", "--compile"], {},
                      "--pp-schedule zbv splits each backward in two"),
+    # NOTE: a checkpointed layer recomputes its forward in the input backward and again in the weight backward.
     "zero bubble with checkpointed layers": (["--pp", "2", "--pp-schedule", "interleaved-zb", "--pp-grad-reduce",
                                               "step", "--activation-checkpointing"], {},
                                              "--pp-schedule interleaved-zb splits each backward in two"),

@@ -488,10 +488,10 @@ def test_the_moe_activations_are_what_a_dropless_top_k_layer_saves(dtype, hidden
 @pytest.mark.quick
 def test_the_pipeline_bubble_is_each_schedules_formula():
     """(p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (2m + p - 1) for interleaved 1F1B at 2 stages per rank,
-    (p - 1) / (6m + p - 1) for interleaved zero bubble: chapter 08's 70B layout, 8 stages and 16 micro-batches, idles
-    30.4%, 17.9% or 6.8% of a step; no pipeline, no bubble."""
-    assert estimate_memory.pipeline_bubble(8, 16) == {"gpipe": 7 / 23, "1f1b": 7 / 23, "interleaved-1f1b": 7 / 39,
-                                                      "interleaved-zb": 7 / 103, "zbv": 7 / 103}
+    (p - 1) / (6m + p - 1) for interleaved zero bubble and ZBV: chapter 08's 70B layout, 8 stages and 16
+    micro-batches, idles 30.4%, 17.9% or 6.8% of a step; no pipeline, no bubble."""
+    assert estimate_memory.pipeline_bubble(8, 16) == pytest.approx(
+        {"gpipe": 7 / 23, "1f1b": 7 / 23, "interleaved-1f1b": 7 / 39, "interleaved-zb": 7 / 103, "zbv": 7 / 103})
     assert estimate_memory.pipeline_bubble(1, 16) == {}
 
 
@@ -537,18 +537,40 @@ def unit_time_idle_shares(schedule, stages, micro_batches):
 
 
 @pytest.mark.quick
-def test_zbv_idles_as_its_formula_says_and_dualpipev_more():
-    """ZBV's bubble in pipeline_bubble() against torch's own schedule, run at unit times; torch's DualPipeV, its
-    forward and backward pairs run in turn (as without a custom overlap), idles (p - 1) / (3m + p - 1): 1.8 times
-    ZBV's share or more at the m >= 2p it needs, why chapter 08 does not offer it (its README)."""
-    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
+def test_the_zero_bubble_schedules_idle_as_their_formulas_say_and_dualpipev_more():
+    """pipeline_bubble()'s interleaved zero bubble and ZBV against torch's own schedules run at unit times, from one
+    micro-batch up (where the fill and drain set the span); torch's DualPipeV, its forward and backward pairs run in
+    turn (as without a custom overlap), idles (p - 1) / (3m + p - 1): 1.8 times ZBV's share or more at the m >= 2p
+    it needs, why chapter 08 does not offer it (its README)."""
+    from torch.distributed.pipelining.schedules import (ScheduleDualPipeV, ScheduleInterleavedZeroBubble,
+                                                        ScheduleZBVZeroBubble)
 
-    for stages, micro_batches in [(2, 4), (2, 8), (4, 8), (4, 16), (8, 16), (8, 32)]:
+    for stages, micro_batches in [(2, 1), (2, 2), (2, 4), (2, 8), (4, 1), (4, 2), (4, 4), (4, 8), (4, 16), (8, 4),
+                                  (8, 8), (8, 16), (8, 32)]:
+        formula = estimate_memory.pipeline_bubble(stages, micro_batches)
         zbv = unit_time_idle_shares(object.__new__(ScheduleZBVZeroBubble), stages, micro_batches)
-        assert max(zbv) == pytest.approx(estimate_memory.pipeline_bubble(stages, micro_batches)["zbv"], abs=1e-12)
-        dualpipev = unit_time_idle_shares(object.__new__(ScheduleDualPipeV), stages, micro_batches)
-        assert max(dualpipev) == pytest.approx((stages - 1) / (3 * micro_batches + stages - 1), abs=1e-12)
-        assert max(dualpipev) >= 1.8 * max(zbv), (stages, micro_batches, zbv, dualpipev)
+        assert max(zbv) == pytest.approx(formula["zbv"], abs=1e-12), (stages, micro_batches, zbv)
+        interleaved = object.__new__(ScheduleInterleavedZeroBubble)
+        interleaved.number_of_rounds = max(1, micro_batches // stages)
+        interleaved.microbatches_per_round = micro_batches // interleaved.number_of_rounds
+        shares = unit_time_idle_shares(interleaved, stages, micro_batches)
+        assert max(shares) == pytest.approx(formula["interleaved-zb"], abs=1e-12), (stages, micro_batches, shares)
+        if micro_batches >= 2 * stages:
+            dualpipev = unit_time_idle_shares(object.__new__(ScheduleDualPipeV), stages, micro_batches)
+            assert max(dualpipev) == pytest.approx((stages - 1) / (3 * micro_batches + stages - 1), abs=1e-12)
+            assert max(dualpipev) >= 1.8 * max(zbv), (stages, micro_batches, zbv, dualpipev)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags", [["--pp-grad-reduce", "microbatch"],
+                                   ["--pp-grad-reduce", "step", "--activation-checkpointing"]])
+def test_a_zbv_layout_the_chapters_refuse_is_a_one_line_error(monkeypatch, flags):
+    monkeypatch.setattr(sys, "argv", ["estimate_memory.py", "-m", str(TINY_MODEL), "--pp", "2", "--pp-schedule", "zbv",
+                                      *flags])
+    with pytest.raises(SystemExit) as error:
+        estimate_memory.main()
+    assert str(error.value) == "error: --pp-schedule zbv splits each backward in two; use --pp-grad-reduce step, " \
+        "without --activation-checkpointing (chapter 08)"
 
 
 @pytest.mark.quick

@@ -396,7 +396,7 @@ def estimate(chapter, chapter_args, rank, nproc_per_node, world_size):
     for flag in ["activation_checkpointing", "cpu_offload", "split_root_group"]:
         if getattr(known, flag):
             argv.append(f"--{flag.replace('_', '-')}")
-    # NOTE: the estimator models GPipe, 1F1B and interleaved 1F1B; zero bubble's split backward is estimated as 1F1B.
+    # NOTE: the estimator models GPipe, 1F1B, interleaved 1F1B and ZBV; interleaved zero bubble is estimated as 1F1B.
     if known.pp_schedule in estimate_memory.IN_FLIGHT:
         argv += ["--pp-schedule", known.pp_schedule, "--pp-stages-per-rank", str(known.pp_stages_per_rank)]
     if chapter == "10":

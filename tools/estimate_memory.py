@@ -330,6 +330,10 @@ def check_layout(parameters, dims, layout):
                 fail(f"--tp {layout.tp} does not divide the {what}, {size} (chapter 06 needs every split even)")
     if layout.cp > 1 and layout.seq_length % layout.cp:
         fail(f"--cp {layout.cp} does not divide --seq-length {layout.seq_length}")
+    if layout.pp > 1 and layout.pp_schedule in V_SCHEDULES and (layout.pp_grad_reduce != "step"
+                                                              or layout.activation_checkpointing):
+        fail(f"--pp-schedule {layout.pp_schedule} splits each backward in two; use --pp-grad-reduce step, without "
+             "--activation-checkpointing (chapter 08)")
     if layout.pp * layout.stages_per_rank > dims.layers:
         fail(f"--pp {layout.pp} makes {layout.pp * layout.stages_per_rank} stages, more than the model's "
              f"{dims.layers} decoder layers; use a smaller --pp"
@@ -651,8 +655,9 @@ def activation_model(dims, layout, coords, widths, in_flight=None):
 # The micro-batches whose activations a pipeline rank holds at once, in passes through all its layers, by schedule:
 # (stages p, this rank r, micro-batches m a step). NOTE: 1F1B's warm-up runs p - r forwards before the first
 # backward; interleaved 1F1B (torch's _get_warmup_ops) runs (v - 1) x R + 2 (p - 1 - r) + 1 chunks of 1/v (v stages
-# a rank), with R = m / (its rounds, m // p or 1) micro-batches a round, at most all v x m. ZBV runs 2p - r - 1 of its
-# first stage's and r + 1 of its second's, half a rank each. Each counted on torch's own schedules in
+# a rank), with R = m / (its rounds, m // p or 1) micro-batches a round, at most all v x m. ZBV's two stages hold
+# 2p stage-micro-batches at the peak (2p - r - 1 of the first and r + 1 of the second, or 2p - r and r - 1), fewer
+# at m < 2p - 1, counted in halves of the rank's layers. Each counted on torch's own schedules in
 # tests/test_estimate_memory.py.
 IN_FLIGHT = {"gpipe": lambda p, r, m, v: m, "1f1b": lambda p, r, m, v: min(p - r, m),
              "interleaved-1f1b": lambda p, r, m, v: min((v - 1) * (m // max(1, m // p)) + 2 * (p - 1 - r) + 1,
@@ -1094,15 +1099,18 @@ def pipeline_bubble(stages, micro_batches, stages_per_rank=2):
     micro-batches a step: (p - 1) / (m + p - 1) for GPipe and 1F1B; interleaved 1F1B with v stages per rank cuts
     each stage's work v times finer, (p - 1) / (v m + p - 1) (default v = 2, the chapters'); interleaved zero bubble
     fills two thirds of that with weight gradients, (p - 1) / (3 v m + p - 1) (its paper's ZB-H1, with a forward, an
-    input-gradient and a weight-gradient pass taking equal time), and so does ZBV at v = 2: the shares of torch's
-    own schedules run at those times (tests/test_estimate_memory.py). Empty without a pipeline."""
+    input-gradient and a weight-gradient pass taking equal time), and so does ZBV at v = 2; with few micro-batches
+    the fill and drain set the span instead, 2vp + vm - 1 units below m = p (interleaved, exact at v = 2) and
+    4m + 4p - 2 below m = (3p - 1) / 2 (ZBV). The zero bubbles' shares are those of torch's own schedules run at
+    those times (tests/test_estimate_memory.py). Empty without a pipeline."""
     if stages == 1:
         return {}
     bubble = {"gpipe": (stages - 1) / (micro_batches + stages - 1)}
     bubble["1f1b"] = bubble["gpipe"]
     bubble["interleaved-1f1b"] = (stages - 1) / (stages_per_rank * micro_batches + stages - 1)
-    bubble["interleaved-zb"] = (stages - 1) / (3 * stages_per_rank * micro_batches + stages - 1)
-    bubble["zbv"] = (stages - 1) / (6 * micro_batches + stages - 1)
+    work = 3 * stages_per_rank * micro_batches
+    bubble["interleaved-zb"] = 1 - work / max(work + stages - 1, stages_per_rank * (2 * stages + micro_batches) - 1)
+    bubble["zbv"] = 1 - 6 * micro_batches / max(6 * micro_batches + stages - 1, 4 * micro_batches + 4 * stages - 2)
     return bubble
 
 
