@@ -14,9 +14,9 @@ import shutil
 
 import pytest
 
-from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, NO_CLIPPING, REPO, checkpoint_weights, error_lines,
-                     grad_norm_difference, logged_parameter_count, max_difference, read_losses, readme_experiment,
-                     train, without_experiment, check_family_matrix)
+from helpers import (CHAPTERS, GRAD_NORM_TOLERANCE, MATRIX_ARGS, MATRIX_LAYOUTS, NO_CLIPPING, REPO, checkpoint_weights,
+                     error_lines, grad_norm_difference, logged_parameter_count, matrix_job, max_difference,
+                     read_losses, read_metrics, readme_experiment, train, without_experiment, check_family_matrix)
 
 README = REPO / CHAPTERS["07"] / "README.md"
 STEPS, HALF = 6, 3
@@ -186,3 +186,17 @@ def test_readme_cpu_commands_are_layouts_tested_here():
 def test_every_model_family_trains_as_in_chapter_01_or_gets_one_line(runs, env, family_models):
     """The family-by-chapter matrix's column of this chapter (helpers.FAMILIES, FAMILY_REFUSALS)."""
     check_family_matrix("07", runs, env, family_models)
+
+
+def test_pretrained_weights_load_into_hybrid_shards(runs, env, family_models):
+    """The matrix's pretrained Llama at --dp-replicate 2 (a (replicate, shard) mesh: every weight a DTensor
+    Replicate x Shard(0)), on the matrix's global batch: its first loss is chapter 05's from the same folder."""
+    _, batch_size_flags = MATRIX_LAYOUTS["05"]
+    result, experiment = runs.train("07", env, *MATRIX_ARGS, "-d", family_models["corpus"], "-m",
+                                    family_models["pretrained"], "--max-steps", "1", "--dp-replicate", "2",
+                                    *batch_size_flags[:2], nproc=2)
+    expected = matrix_job(runs, env, "05", family_models)["pretrained"][0]["loss"]
+    first = read_metrics(experiment)[0]["loss"]
+    print(f"\npretrained at --dp-replicate 2: first loss {first:.6f}, chapter 05's {expected:.6f}")
+    assert f"loaded the pretrained weights of {family_models['pretrained']}" in result.stdout
+    assert abs(first - expected) <= 1e-5
