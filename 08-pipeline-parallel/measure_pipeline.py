@@ -119,8 +119,8 @@ def measure(schedule, microbatches, args, scratch):
 
 
 def bubble_formula(pp, microbatches, stages_per_rank, schedule):
-    """The idle share of each stage in a balanced pipeline, tools/estimate_memory.py's: (p - 1) / (v m + p - 1), v
-    stages per rank; zero bubble and ZBV (p - 1) / (3 v m + p - 1) (ZBV at m >= (3p - 1) / 2)."""
+    """The idle share of each stage in a balanced pipeline: tools/estimate_memory.py's pipeline_bubble(), which
+    gives each schedule's formula."""
     return pipeline_bubble(pp, microbatches, stages_per_rank).get(schedule, 0.0)
 
 
